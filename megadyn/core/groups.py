@@ -1,0 +1,134 @@
+"""Process groups of one layout, as an object: built, passed around, destroyed.
+
+    groups = ParallelGroups.build(layout, members=range(world), backend="gloo")
+    model = GPTModel(cfg, groups)        # layers take the groups they use
+    ...
+    groups.destroy()                     # reconfiguration: drop it, build another
+
+Processes that are not members of the layout (standby processes) get an object with
+`is_member == False` and no groups.
+
+Every live process of the job calls `build` for every layout, in the same order, members or
+not: each `new_group` call then draws the same sequential group name in every process, and a
+name is never reused after `destroy()`. (Hashed names, which
+`use_local_synchronization=True` gives, repeat when the same ranks form a group again, and a
+group rebuilt under a repeated name can meet the old group's rendezvous keys in the store and
+hang; megadyn's tests showed it.) Creating a group costs only its members communication;
+non-members return at once, and processes that have left the job take no part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch.distributed as dist
+
+from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid
+
+
+def _new_group(ranks: list[int], backend: str):
+    return dist.new_group(ranks, backend=backend)
+
+
+@dataclass
+class ParallelGroups:
+    """The groups and coordinates of this rank in one layout."""
+
+    layout: Layout
+    grid: RankGrid
+    rank: int
+    backend: str
+    coords: Coords | None
+    tp_group: object = None
+    dp_group: object = None
+    pp_group: object = None
+    mp_group: object = None
+    embedding_group: object = None
+    tp_ranks: list[int] = field(default_factory=list)
+    dp_ranks: list[int] = field(default_factory=list)
+    pp_ranks: list[int] = field(default_factory=list)
+    embedding_ranks: list[int] = field(default_factory=list)
+    _owned: list = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, layout: Layout, members: Sequence[int], backend: str | None = None
+    ) -> ParallelGroups:
+        """Create the groups of `layout` over `members` (an ordered list of global ranks)."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed must be initialized before building groups")
+        members = tuple(int(m) for m in members)
+        world = dist.get_world_size()
+        bad = [m for m in members if not 0 <= m < world]
+        if bad:
+            raise LayoutError(f"member ranks {bad} are outside the world of {world} processes")
+        grid = RankGrid(layout, members)
+        backend = backend or dist.get_backend()
+        rank = dist.get_rank()
+        coords = grid.coords_of(rank) if rank in members else None
+        pg = cls(layout, grid, rank, backend, coords=coords)
+        for kind, all_groups in (
+            ("tp", grid.tp_groups()),
+            ("dp", grid.dp_groups()),
+            ("pp", grid.pp_groups()),
+            ("mp", grid.mp_groups()),
+            ("embedding", grid.embedding_groups()),
+        ):
+            for ranks in all_groups:  # every process creates every group, in one order
+                group = _new_group(ranks, backend)
+                if rank in ranks:
+                    pg._owned.append(group)
+                    setattr(pg, f"{kind}_group", group)
+                    if kind != "mp":
+                        setattr(pg, f"{kind}_ranks", ranks)
+        return pg
+
+    # --- coordinates -------------------------------------------------------------------------
+    @property
+    def is_member(self) -> bool:
+        return self.coords is not None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.layout.pp - 1
+
+    def pp_neighbor(self, offset: int) -> int:
+        """Global rank of the pipeline rank `offset` stages away (wrapping around)."""
+        return self.pp_ranks[(self.coords.pp + offset) % self.layout.pp]
+
+    def destroy(self) -> None:
+        """Release every group this object created; the object must not be used afterwards."""
+        for group in reversed(self._owned):
+            dist.destroy_process_group(group)
+        self._owned.clear()
+        self.tp_group = self.dp_group = self.pp_group = self.mp_group = None
+        self.embedding_group = None

@@ -1,0 +1,223 @@
+"""The parallel layout and its rank arithmetic, pure Python and testable without processes.
+
+A `Layout` says how many ways the model is split (tp, pp, virtual stages) and replicated (dp).
+Ranks are ordered the way Megatron orders them: tensor-parallel fastest, then data-parallel,
+then pipeline-parallel, over an ordered list of *member* ranks, so a layout can be drawn over
+any subset of the running processes:
+
+    position = tp_rank + dp_rank * tp + pp_rank * tp * dp
+    member   = members[position]
+
+Every process group of megadyn is derived from `RankGrid.groups()`; nothing here touches
+torch.distributed (see `groups.py` for that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message names the flag to change."""
+
+
+class Coords(NamedTuple):
+    """Where one rank sits in the grid."""
+
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees of one configuration of the job."""
+
+    tp: int = 1
+    """Tensor-parallel size (--tensor-model-parallel-size)."""
+    pp: int = 1
+    """Pipeline-parallel size (--pipeline-model-parallel-size)."""
+    dp: int = 1
+    """Data-parallel size (derived from world size by the launcher)."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank; 1 means no interleaving."""
+    sequence_parallel: bool = False
+    """Shard activations outside the tensor-parallel regions along the sequence (--sequence-parallel)."""
+
+    def __post_init__(self) -> None:
+        for name, flag in (
+            ("tp", "--tensor-model-parallel-size"),
+            ("pp", "--pipeline-model-parallel-size"),
+            ("dp", "--data-parallel-size"),
+            ("vpp", "--num-layers-per-virtual-pipeline-stage"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{flag}: {name} must be a positive integer, got {value!r}")
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(
+                "--num-layers-per-virtual-pipeline-stage: virtual pipeline stages need "
+                "--pipeline-model-parallel-size > 1"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError(
+                "--sequence-parallel needs --tensor-model-parallel-size > 1 "
+                "(with tp 1 there is nothing to shard the sequence over)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    def validate(
+        self,
+        *,
+        num_layers: int,
+        num_attention_heads: int,
+        num_query_groups: int | None = None,
+        seq_length: int | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> None:
+        """Check the layout against the model and batch; raise `LayoutError` naming the flag."""
+        if num_attention_heads % self.tp:
+            raise LayoutError(
+                f"--num-attention-heads ({num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({self.tp})"
+            )
+        groups = num_query_groups or num_attention_heads
+        if groups % self.tp:
+            raise LayoutError(
+                f"--num-query-groups ({groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({self.tp})"
+            )
+        stages = self.pp * self.vpp
+        if num_layers % stages:
+            flag = (
+                "--num-layers-per-virtual-pipeline-stage"
+                if self.vpp > 1
+                else "--pipeline-model-parallel-size"
+            )
+            raise LayoutError(
+                f"--num-layers ({num_layers}) must be divisible by pipeline stages x virtual "
+                f"stages ({self.pp} x {self.vpp}); change {flag}"
+            )
+        if self.sequence_parallel and seq_length is not None and seq_length % self.tp:
+            raise LayoutError(
+                f"--seq-length ({seq_length}) must be divisible by --tensor-model-parallel-size "
+                f"({self.tp}) with --sequence-parallel"
+            )
+        if global_batch_size is not None and micro_batch_size is not None:
+            if global_batch_size % (micro_batch_size * self.dp):
+                raise LayoutError(
+                    f"--global-batch-size ({global_batch_size}) must be divisible by "
+                    f"--micro-batch-size ({micro_batch_size}) x data-parallel size ({self.dp})"
+                )
+
+    @staticmethod
+    def from_world(
+        world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, sequence_parallel: bool = False
+    ) -> Layout:
+        """The layout that fills `world_size` ranks with the given tp and pp."""
+        if world_size % (tp * pp):
+            raise LayoutError(
+                f"world size ({world_size}) must be a multiple of --tensor-model-parallel-size "
+                f"({tp}) x --pipeline-model-parallel-size ({pp})"
+            )
+        return Layout(
+            tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp, sequence_parallel=sequence_parallel
+        )
+
+
+def num_layers_per_chunk(layout: Layout, num_layers: int) -> int:
+    return num_layers // (layout.pp * layout.vpp)
+
+
+def chunk_layer_range(layout: Layout, num_layers: int, pp_rank: int, chunk: int) -> range:
+    """Global layer indices of virtual chunk `chunk` on pipeline rank `pp_rank`.
+
+    Chunks are assigned round-robin as in Megatron's interleaved schedule: virtual stage
+    `chunk * pp + pp_rank` holds consecutive layers.
+    """
+    per = num_layers_per_chunk(layout, num_layers)
+    stage = chunk * layout.pp + pp_rank
+    return range(stage * per, (stage + 1) * per)
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """A layout drawn over an ordered list of member ranks."""
+
+    layout: Layout
+    members: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.members) != self.layout.world_size:
+            raise LayoutError(
+                f"the layout tp={self.layout.tp} x pp={self.layout.pp} x dp={self.layout.dp} "
+                f"needs {self.layout.world_size} ranks, but {len(self.members)} members were "
+                f"given: {list(self.members)}"
+            )
+        if len(set(self.members)) != len(self.members):
+            raise LayoutError(f"member ranks repeat: {list(self.members)}")
+
+    def rank_of(self, coords: Coords) -> int:
+        t, d = self.layout.tp, self.layout.dp
+        return self.members[coords.tp + coords.dp * t + coords.pp * t * d]
+
+    def coords_of(self, rank: int) -> Coords:
+        if rank not in self.members:
+            raise LayoutError(f"rank {rank} is not a member of this layout {list(self.members)}")
+        pos = self.members.index(rank)
+        t, d = self.layout.tp, self.layout.dp
+        return Coords(tp=pos % t, dp=(pos // t) % d, pp=pos // (t * d))
+
+    def _all(self):
+        lay = self.layout
+        return [
+            Coords(t, d, p) for p in range(lay.pp) for d in range(lay.dp) for t in range(lay.tp)
+        ]
+
+    def tp_groups(self) -> list[list[int]]:
+        lay = self.layout
+        return [
+            [self.rank_of(Coords(t, d, p)) for t in range(lay.tp)]
+            for p in range(lay.pp)
+            for d in range(lay.dp)
+        ]
+
+    def dp_groups(self) -> list[list[int]]:
+        lay = self.layout
+        return [
+            [self.rank_of(Coords(t, d, p)) for d in range(lay.dp)]
+            for p in range(lay.pp)
+            for t in range(lay.tp)
+        ]
+
+    def pp_groups(self) -> list[list[int]]:
+        lay = self.layout
+        return [
+            [self.rank_of(Coords(t, d, p)) for p in range(lay.pp)]
+            for d in range(lay.dp)
+            for t in range(lay.tp)
+        ]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups: all tp x pp ranks of one data-parallel replica."""
+        lay = self.layout
+        return [
+            [self.rank_of(Coords(t, d, p)) for p in range(lay.pp) for t in range(lay.tp)]
+            for d in range(lay.dp)
+        ]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline, which share tied embeddings."""
+        groups = []
+        for ranks in self.pp_groups():
+            groups.append([ranks[0], ranks[-1]] if len(ranks) > 1 else [ranks[0]])
+        return groups

@@ -1,0 +1,184 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Weights are allocated at their local (per-rank) shape and left uninitialized: the model fills
+them from layout-independent global weights (see megadyn/models/sharding.py), so the same seed
+gives the same model for every layout. Each parameter carries the attributes the gradient
+and optimizer code read:
+
+    param.tensor_model_parallel   sharded over tp (else replicated over tp)
+    param.partition_dim           dimension of the shard, -1 when replicated
+    param.sequence_parallel       replicated param whose grad is summed over tp under SP
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megadyn.core.tensor_parallel.mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    group_rank,
+    group_size,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+)
+
+
+def mark_param(param: nn.Parameter, partition_dim: int = -1, sequence_parallel: bool = False):
+    param.tensor_model_parallel = partition_dim >= 0
+    param.partition_dim = partition_dim
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def _empty(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+def divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor-parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its output dimension: [out/tp, in] per rank.
+
+    Input [s, b, in] (or [s/tp, b, in] under sequence parallelism, all-gathered here);
+    output [s, b, out/tp], or [s, b, out] with `gather_output`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp_group,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        local_output_size: int | None = None,
+        skip_weight: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        tp = group_size(tp_group)
+        local = local_output_size or divide(output_size, tp, "output size")
+        self.weight = (
+            None if skip_weight else mark_param(_empty((local, input_size), dtype, device), 0)
+        )
+        self.bias = mark_param(_empty((local,), dtype, device), 0) if bias else None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp_group)  # [s, b, in]
+        else:
+            x = copy_to_region(x, self.tp_group)
+        y = F.linear(x, weight, self.bias)  # [s, b, out/tp]
+        if self.gather_output:
+            y = gather_from_region(y, self.tp_group)  # [s, b, out]
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its input dimension: [out, in/tp] per rank.
+
+    Input [s, b, in/tp]; output [s, b, out], or [s/tp, b, out] (reduce-scattered) under
+    sequence parallelism. The bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp_group,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        local = divide(input_size, group_size(tp_group), "input size")
+        self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
+        self.bias = (
+            mark_param(_empty((output_size,), dtype, device), -1, sequence_parallel)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # partial sums [s, b, out]
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]
+        else:
+            y = reduce_from_region(y, self.tp_group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def vocab_range(vocab_size: int, padded_vocab_size: int, tp_rank: int, tp: int) -> tuple[int, int]:
+    """Rows [start, end) of the (unpadded) vocabulary held by `tp_rank`.
+
+    The vocabulary is divided as if padded to `padded_vocab_size` (Megatron's rule), but padding
+    rows are never allocated, so the model is the same function for every tp.
+    """
+    per = padded_vocab_size // tp
+    start = min(tp_rank * per, vocab_size)
+    end = min((tp_rank + 1) * per, vocab_size)
+    return start, end
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary; rank r holds rows vocab_range(r).
+
+    Input token ids [b, s]; output [s, b, h] (all-reduced), or [s/tp, b, h] reduce-scattered
+    under sequence parallelism.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        embedding_dim: int,
+        tp_group,
+        *,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, padded_vocab_size, rank, tp)
+        if self.vocab_end <= self.vocab_start:
+            raise ValueError(
+                f"vocabulary of {vocab_size} leaves tensor-parallel rank {rank} of {tp} no rows; "
+                "lower --tensor-model-parallel-size or --make-vocab-size-divisible-by"
+            )
+        rows = self.vocab_end - self.vocab_start
+        self.weight = mark_param(_empty((rows, embedding_dim), dtype, device), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.t()  # [s, b]
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local_ids, self.weight)  # [s, b, h] partial
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(y, self.tp_group)
+        return reduce_from_region(y, self.tp_group)

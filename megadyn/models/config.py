@@ -1,0 +1,114 @@
+"""The GPT model's configuration: one dataclass, one docstring per field.
+
+Two families share the code: the GPT-2 block (learned positions, LayerNorm, GeLU, biases) and
+the Llama block (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases).
+
+    cfg = GPTConfig.gpt2(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    cfg = GPTConfig.llama(num_layers=2, hidden_size=64, num_attention_heads=4,
+                          num_query_groups=2, vocab_size=100)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    num_layers: int = 2
+    """Transformer blocks (--num-layers)."""
+    hidden_size: int = 64
+    """Model width h (--hidden-size)."""
+    num_attention_heads: int = 4
+    """Query heads (--num-attention-heads)."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (--num-query-groups); None = no grouping."""
+    ffn_hidden_size: int | None = None
+    """MLP width (--ffn-hidden-size); default 4h."""
+    vocab_size: int = 128
+    """Tokenizer vocabulary before padding."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary is padded to a multiple of this times tp (--make-vocab-size-divisible-by)."""
+    max_position_embeddings: int = 128
+    """Longest sequence (--max-position-embeddings); size of the learned position table."""
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' (GPT-2) or 'rope' (Llama) (--position-embedding-type)."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency (--rotary-base)."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm' or 'RMSNorm' (--normalization)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the norms (--norm-epsilon)."""
+    activation: str = "gelu"
+    """'gelu' or 'swiglu' (--swiglu)."""
+    add_bias_linear: bool = True
+    """Biases in linear layers (--disable-bias-linear turns them off)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the word embedding (--untie-embeddings-and-output-weights)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (--hidden-dropout)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (--attention-dropout)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialization (--init-method-std)."""
+    params_dtype: torch.dtype = torch.float32
+    """Dtype of model weights: float32, bfloat16 (--bf16) or float16 (--fp16)."""
+    apply_query_key_layer_scaling: bool = False
+    """Unused by megadyn (scaled_dot_product_attention scales by 1/sqrt(d)); kept for flag parity."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden-size ({self.hidden_size}) must be divisible by "
+                f"--num-attention-heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--num-query-groups ({self.query_groups})"
+            )
+        for name, allowed in (
+            ("position_embedding_type", ("learned_absolute", "rope")),
+            ("normalization", ("LayerNorm", "RMSNorm")),
+            ("activation", ("gelu", "swiglu")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary padded so that every tp rank holds an equal, aligned slice (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def with_(self, **changes) -> GPTConfig:
+        return replace(self, **changes)
+
+    @classmethod
+    def gpt2(cls, **kw) -> GPTConfig:
+        return cls(**kw)
+
+    @classmethod
+    def llama(cls, **kw) -> GPTConfig:
+        base = dict(
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            activation="swiglu",
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+        )
+        base.update(kw)
+        return cls(**base)

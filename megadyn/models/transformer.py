@@ -1,0 +1,183 @@
+"""Transformer layer of megadyn's GPT: norm, self-attention, norm, MLP, with residuals.
+
+Activations are [s, b, h] ([s/tp, b, h] between tensor-parallel regions under sequence
+parallelism). One class serves the GPT-2 block (LayerNorm, GeLU, learned positions, biases)
+and the Llama block (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases).
+
+The fused QKV weight is laid out per query group, [ng, (np/ng + 2) * d, h]: queries of the
+group, then its key, then its value, so a split along dim 0 gives each tp rank whole groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megadyn.core.recompute import RecomputeConfig, recompute
+from megadyn.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RNGTracker,
+    RowParallelLinear,
+    group_size,
+    mark_param,
+)
+from megadyn.models.config import GPTConfig
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the last dimension; replicated over tp."""
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        self.kind, self.eps = cfg.normalization, cfg.norm_epsilon
+        h = cfg.hidden_size
+        self.weight = mark_param(
+            nn.Parameter(torch.empty(h, dtype=dtype, device=device)), -1, sequence_parallel
+        )
+        self.bias = None
+        if self.kind == "LayerNorm":
+            self.bias = mark_param(
+                nn.Parameter(torch.empty(h, dtype=dtype, device=device)), -1, sequence_parallel
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "LayerNorm":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype):
+    """cos and sin tables [s, d] for rotary embeddings (halves rotated, as Megatron and Llama)."""
+    inv = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)  # [s, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, n, s, d]; cos, sin [s, d]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, tracker, dtype, device):
+        super().__init__()
+        tp = group_size(tp_group)
+        self.cfg, self.tracker = cfg, tracker
+        self.heads = cfg.num_attention_heads // tp  # query heads on this rank
+        self.groups = cfg.query_groups // tp  # key/value heads on this rank
+        self.q_per_group = cfg.num_attention_heads // cfg.query_groups
+        qkv = cfg.query_groups * (self.q_per_group + 2) * cfg.head_dim
+        kw = dict(
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv, tp_group, **kw)
+        self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, **kw)
+
+    def core_attention(self, q, k, v):
+        """softmax(q k^T / sqrt(d)) v, causal; q [b, n, s, d], k and v [b, g, s, d]."""
+        p = self.cfg.attention_dropout if self.training else 0.0
+        gqa = self.groups != self.heads
+        if p > 0.0 and self.tracker is not None:
+            with self.tracker.fork():  # heads differ per tp rank: per-rank stream
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
+                )
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+
+    def forward(self, x: torch.Tensor, rope=None, recompute_core: bool = False) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]
+        s, b = qkv.shape[:2]
+        d = self.cfg.head_dim
+        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, d)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, d)
+        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]  # [s, b, g, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if recompute_core and torch.is_grad_enabled():
+            out = recompute(self.core_attention, q, k, v, tracker=self.tracker)
+        else:
+            out = self.core_attention(q, k, v)  # [b, n, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, h/tp]
+        return self.linear_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        tp = group_size(tp_group)
+        fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
+        kw = dict(
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
+        # SwiGLU: local fc1 rows are [gate shard; up shard] (the global tensor is [gate; up])
+        self.linear_fc1 = ColumnParallelLinear(
+            cfg.hidden_size, fc1_out, tp_group, local_output_size=fc1_out // tp, **kw
+        )
+        self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        tp_group,
+        sequence_parallel: bool,
+        tracker: RNGTracker | None,
+        recompute_cfg: RecomputeConfig,
+        dtype,
+        device,
+    ):
+        super().__init__()
+        self.cfg, self.tracker = cfg, tracker
+        self.sequence_parallel = sequence_parallel
+        self.recompute_core = recompute_cfg.selective
+        self.input_layernorm = Norm(cfg, sequence_parallel, dtype, device)
+        self.self_attention = SelfAttention(
+            cfg, tp_group, sequence_parallel, tracker, dtype, device
+        )
+        self.pre_mlp_layernorm = Norm(cfg, sequence_parallel, dtype, device)
+        self.mlp = MLP(cfg, tp_group, sequence_parallel, dtype, device)
+
+    def dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return hidden_dropout(
+            x, self.cfg.hidden_dropout, self.training, self.sequence_parallel, self.tracker
+        )
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.dropout(
+            self.self_attention(self.input_layernorm(x), rope, self.recompute_core)
+        )
+        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+def hidden_dropout(x, p: float, training: bool, sequence_parallel: bool, tracker) -> torch.Tensor:
+    """Dropout of hidden states: replicated over tp (default stream) unless sequence-parallel."""
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel and tracker is not None:
+        with tracker.fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)

@@ -1,0 +1,5 @@
+"""Helpers for megadyn's own tests: spawning gloo process groups on free ports."""
+
+from megadyn.testing.spawn import free_port, spawn
+
+__all__ = ["free_port", "spawn"]

@@ -1,0 +1,92 @@
+"""Run a function in N spawned processes joined by a gloo process group on a free port.
+
+    def body(rank, world, tp):
+        ...                               # torch.distributed is initialized here
+    spawn(body, world=4, args=(2,))       # raises if any rank raised, with its traceback
+
+The function must be importable (defined at module level of a test module).  Results that a
+rank returns come back as a list indexed by rank.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, queue, timeout_s):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with the traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> list:
+    """Run `fn(rank, world, *args)` on `world` processes; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, timeout_s))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    deadline = time.monotonic() + timeout_s + 15
+    while len(results) < world and not errors:
+        try:
+            rank, status, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [
+                r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results
+            ]
+            if dead:
+                errors.append(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}")
+            elif time.monotonic() > deadline:
+                errors.append(
+                    f"timed out after {timeout_s:.0f}s; finished ranks: {sorted(results)}"
+                )
+            continue
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+    if errors:
+        for p in procs:
+            p.kill()
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("a spawned rank failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install megadyn and what it needs into the current Python (idempotent, quiet).
+# On a machine without a GPU it takes the CPU build of torch; where torch is already present
+# (a GPU machine), it is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[test]"
