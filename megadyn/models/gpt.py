@@ -137,6 +137,16 @@ class GPTModel(nn.Module):
             )
         self._rope_cache: tuple | None = None
 
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return not self.cfg.untie_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        """The word embedding weight tied to the output layer, on the stages that hold it."""
+        if not self.share_embeddings_and_output_weights or not hasattr(self, "embedding"):
+            return None
+        return self.embedding.word_embeddings.weight
+
     def rope(self, seq_len: int, device) -> tuple | None:
         if self.cfg.position_embedding_type != "rope":
             return None

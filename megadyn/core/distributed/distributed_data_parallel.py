@@ -1,0 +1,157 @@
+"""Data-parallel wrapper of one model chunk: gradient buffers, bucketed and overlapped reduction.
+
+    chunk = DistributedDataParallel(chunk, groups.dp_group, overlap_grad_reduce=True)
+    for i, micro_batch in enumerate(micro_batches):
+        ctx = chunk.no_sync() if i < len(micro_batches) - 1 else nullcontext()
+        with ctx:
+            loss(chunk(micro_batch)).backward()   # grads accumulate into param.main_grad
+    chunk.finish_grad_sync()                      # (finalize_model_grads does this)
+    optimizer.step(); chunk.zero_grad_buffer()
+
+A post-accumulate-grad hook on every parameter adds `param.grad` into `param.main_grad` and
+drops `param.grad`. On the last micro batch (outside `no_sync()`), once every parameter of a
+bucket has its gradient, the bucket's all-reduce (reduce-scatter with the distributed optimizer)
+is launched asynchronously, so communication overlaps the rest of the backward pass. Gradients
+are averaged over the data-parallel group.
+
+A layer that accumulates into `main_grad` itself (fused weight-gradient kernels) sets
+`param.grad_added_to_main_grad = True` and returns any gradient; it is then not added again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megadyn.core.distributed.finalize_model_grads import tied_embedding_weight
+from megadyn.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps one model chunk (virtual pipeline stage) for data-parallel training."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group,
+        *,
+        overlap_grad_reduce: bool = False,
+        use_distributed_optimizer: bool = False,
+        bucket_size: int | None = None,
+        grad_reduce_in_fp32: bool = True,
+        average_in_collective: bool = False,
+    ):
+        """Build the buffers of `module`'s trainable params and register the gradient hooks.
+
+        `bucket_size` (elements) defaults to max(40M, 1M x dp) with `overlap_grad_reduce` and to
+        one bucket per buffer without. `average_in_collective` averages with ReduceOp.AVG
+        instead of scaling by 1/dp before a sum.
+        """
+        super().__init__()
+        self.module = module
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        if bucket_size is None and overlap_grad_reduce:
+            bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
+        self.bucket_size = bucket_size
+        self.is_last_microbatch = True
+
+        params_by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        for param in module.parameters():
+            if not param.requires_grad:
+                continue
+            grad_dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
+            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        separate = set()
+        tied = tied_embedding_weight(module)
+        if use_distributed_optimizer and tied is not None:
+            separate.add(tied)
+        self.buffers: list[ParamAndGradBuffer] = [
+            ParamAndGradBuffer(
+                params,
+                grad_dtype,
+                dp_group,
+                bucket_size=bucket_size,
+                use_distributed_optimizer=use_distributed_optimizer,
+                gradient_scaling_factor=1.0 / self.dp_size,
+                average_in_collective=average_in_collective,
+                separate_bucket_params=separate,
+            )
+            for (_, grad_dtype), params in params_by_dtype.items()
+        ]
+        self._param_to_bucket: dict[nn.Parameter, Bucket] = {}
+        for buffer in self.buffers:
+            self._param_to_bucket.update(buffer.param_to_bucket)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_to_bucket
+        ]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no `module.` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
+
+    # --- gradient hooks -------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is not None:
+            if not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad)
+            param.grad = None
+        param.grad_added_to_main_grad = False
+        if self.overlap_grad_reduce and self.is_last_microbatch:
+            self._param_to_bucket[param].register_grad_ready(param)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (all but the last micro batch)."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    # --- synchronisation --------------------------------------------------------------------
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not yet launched (non-overlapped mode)."""
+        for buffer in self.buffers:
+            buffer.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait until every bucket's gradients are averaged over data parallelism.
+
+        Without the distributed optimizer every `main_grad` then holds the dp-averaged gradient;
+        with it, only the part of each bucket this dp rank owns does.
+        """
+        self.start_grad_sync()
+        for buffer in self.buffers:
+            buffer.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every `main_grad` (and drop `param.grad`) before the next step's first backward."""
+        for param in self._param_to_bucket:
+            param.grad = None
+            param.grad_added_to_main_grad = False
+        for buffer in self.buffers:
+            buffer.zero_grad()
+
+    def all_gather_params(self) -> None:
+        """Distributed optimizer: gather every dp rank's updated parameter shard into the params."""
+        for buffer in self.buffers:
+            buffer.all_gather_params()
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (before the chunk is dropped or rewrapped)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,19 @@
+"""Mixed-precision Adam(W) with loss scaling, global-norm clipping and ZeRO-1 sharding.
+
+`build_optimizer(chunks, ddp_wrappers, groups, OptimizerConfig(...))` is the entry point.
+"""
+
+from megadyn.core.optimizer.config import OptimizerConfig
+from megadyn.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megadyn.core.optimizer.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megadyn.core.optimizer.shards import ParamShard, uses_weight_decay
+
+__all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "ParamShard",
+    "build_optimizer",
+    "uses_weight_decay",
+]

@@ -1,0 +1,273 @@
+"""Mixed-precision Adam(W) over DDP gradient buffers, optionally sharded over dp (ZeRO-1).
+
+    chunks = [DistributedDataParallel(c, groups.dp_group, ...) for c in model_chunks]
+    optimizer = build_optimizer(chunks, chunks, groups, OptimizerConfig(bf16=True))
+    ... forward / backward (loss * optimizer.loss_scale for fp16), finalize_model_grads ...
+    applied, grad_norm, num_zeros = optimizer.step()
+    optimizer.zero_grad()
+
+The optimizer works on *shards*: for every parameter, the contiguous range of its flattened
+elements that this rank updates. Without the distributed optimizer that is the whole parameter;
+with it, the intersection of the parameter with the part of its gradient bucket that this dp
+rank owns (see `param_and_grad_buffer.py`), possibly empty. Each shard has an fp32 main copy
+(for fp32 params, a view of the param itself) whose `.grad` is the matching slice of
+`param.main_grad`, and torch's AdamW updates the shards. After the step, main copies are cast
+back into the params and, with the distributed optimizer, all-gathered over dp.
+
+The state of one parameter (`param_state` / `load_param_state`) is given at the full local
+(tp/pp-local) shape, independent of dp size and of the distributed optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from megadyn.core.distributed import Bucket, DistributedDataParallel
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.optimizer import clip_grads as stats
+from megadyn.core.optimizer.config import OptimizerConfig
+from megadyn.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megadyn.core.optimizer.shards import STATE_KEYS, ParamShard, gather_param_state, make_shards
+
+StepResult = tuple[bool, float | None, int | None]
+
+
+class MixedPrecisionOptimizer:
+    """fp32 main params + AdamW over this rank's shards; loss scaling, clipping, ZeRO-1."""
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        ddp_wrappers: Sequence[DistributedDataParallel],
+        groups: ParallelGroups,
+        config: OptimizerConfig,
+    ):
+        self.config = config
+        self.groups = groups
+        self.ddp_wrappers = list(ddp_wrappers)
+        self.distributed = config.use_distributed_optimizer
+        if any(d.use_distributed_optimizer != self.distributed for d in self.ddp_wrappers):
+            raise ValueError(
+                "--use-distributed-optimizer must be the same for the optimizer and every "
+                "DistributedDataParallel chunk"
+            )
+        names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self.shards: list[ParamShard] = []
+        for ddp in self.ddp_wrappers:
+            for buffer in ddp.buffers:
+                for bucket in buffer.buckets:
+                    self._bucket_of.update(dict.fromkeys(bucket.params, bucket))
+                    self.shards += make_shards(bucket, names)
+        self._shard_of = {s.param: s for s in self.shards}
+        missing = [names.get(p, "?") for p in self.params if p not in self._bucket_of]
+        if missing:
+            raise ValueError(f"parameters without a DDP gradient buffer: {missing}")
+
+        self._lr, self._weight_decay = config.lr, config.weight_decay
+        param_groups = []
+        for wd_mult in (1.0, 0.0):
+            mains = [s.main for s in self.shards if s.decay == (wd_mult == 1.0)]
+            if mains:
+                param_groups.append(
+                    {
+                        "params": mains,
+                        "wd_mult": wd_mult,
+                        "weight_decay": wd_mult * config.weight_decay,
+                    }
+                )
+        self._fused = bool(self.shards) and self.shards[0].main.is_cuda
+        self._adam = None
+        if param_groups:  # a dp rank may own no part of any param (tiny models, large dp)
+            self._adam = torch.optim.AdamW(
+                param_groups,
+                lr=config.lr,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+                **({"fused": True} if self._fused else {"foreach": True}),
+            )
+        self._step_count = 0
+        self.grad_scaler = None
+        if config.loss_scale is not None:
+            self.grad_scaler = ConstantGradScaler(config.loss_scale)
+        elif config.fp16:
+            self.grad_scaler = DynamicGradScaler(
+                config.initial_loss_scale,
+                config.min_loss_scale,
+                config.loss_scale_window,
+                config.hysteresis,
+            )
+        # groups over which gradient statistics are summed (see clip_grads.py)
+        self._stat_groups = [groups.mp_group] + ([groups.dp_group] if self.distributed else [])
+
+    # --- schedule hooks ---------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every param group."""
+        self._lr = lr
+        for group in self._adam.param_groups if self._adam else []:
+            group["lr"] = lr
+
+    def get_lr(self) -> float:
+        return self._lr
+
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """Set the weight decay of the decayed group (biases and 1-D params stay at 0)."""
+        self._weight_decay = weight_decay
+        for group in self._adam.param_groups if self._adam else []:
+            group["weight_decay"] = weight_decay * group["wd_mult"]
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 without a loss scaler)."""
+        return float(self.grad_scaler.scale) if self.grad_scaler else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.grad_scaler else loss
+
+    # --- the step ---------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Unscale, check overflow, clip, AdamW, copy back; -> (applied, grad_norm, num_zeros).
+
+        A step skipped for overflow returns (False, None, None) and leaves the params as they
+        were. Call after `finalize_model_grads`.
+        """
+        grads = []
+        for shard in self.shards:
+            shard.main.grad = shard.grad()
+            grads.append(shard.main.grad)
+        device = self.params[0].device if self.params else None
+        if self.grad_scaler is not None:
+            inv_scale = self.grad_scaler.inv_scale
+            found_inf = stats.unscale_and_check_finite(grads, inv_scale, self._stat_groups, device)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self._drop_main_grads()
+                return False, None, None
+        tp_rank = self.groups.tp_rank
+        counted = [g for s, g in zip(self.shards, grads) if stats.counts_in_norm(s.param, tp_rank)]
+        grad_norm = stats.global_grad_norm(counted, self._stat_groups, device)
+        if self.config.clip_grad > 0:
+            stats.clip_grads(grads, self.config.clip_grad, grad_norm)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            num_zeros = stats.count_zeros(counted, self._stat_groups, device)
+        if self._adam is not None:
+            self._adam.step()
+        self._step_count += 1
+        self._drop_main_grads()
+        self._copy_main_to_model()
+        return True, grad_norm, num_zeros
+
+    def _drop_main_grads(self) -> None:
+        for shard in self.shards:
+            shard.main.grad = None
+
+    @torch.no_grad()
+    def _copy_main_to_model(self) -> None:
+        for shard in self.shards:
+            if shard.main.data_ptr() != shard.model_slice().data_ptr():
+                shard.model_slice().copy_(shard.main)
+        if self.distributed:
+            for ddp in self.ddp_wrappers:
+                ddp.all_gather_params()
+
+    def zero_grad(self) -> None:
+        """Zero the DDP gradient buffers (every `main_grad`) and drop any `.grad`."""
+        for ddp in self.ddp_wrappers:
+            ddp.zero_grad_buffer()
+        self._drop_main_grads()
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the model params into the main copies (after the params were set elsewhere)."""
+        for shard in self.shards:
+            shard.main.copy_(shard.model_slice())
+
+    # --- layout-free state ------------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Number of applied (not skipped) steps; Adam's bias correction uses it."""
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step_count = int(value)
+        for state in self._adam.state.values() if self._adam else []:
+            state["step"].fill_(float(value))
+
+    def _adam_state(self, shard: ParamShard) -> dict:
+        return self._adam.state[shard.main] if self._adam is not None else {}
+
+    def param_state(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """{main, exp_avg, exp_avg_sq} of `param` as fp32 tensors of its full local shape.
+
+        Collective over dp with the distributed optimizer: every dp rank must call it for the
+        same params in the same order.
+        """
+        shard = self._shard_of.get(param)
+        pieces = []
+        if shard is not None:
+            state = self._adam_state(shard)
+            pieces = [shard.main] + [
+                state.get(k, torch.zeros_like(shard.main)) for k in STATE_KEYS[1:]
+            ]
+        if self.distributed:
+            bucket = self._bucket_of[param]
+            flat = gather_param_state(bucket, param, pieces)
+        else:
+            flat = torch.stack(pieces)
+        return {k: flat[i].reshape(param.shape).clone() for i, k in enumerate(STATE_KEYS)}
+
+    @torch.no_grad()
+    def load_param_state(self, param: nn.Parameter, state: dict[str, torch.Tensor]) -> None:
+        """Set `param` and its main copy and Adam state from full local-shape tensors (no comm).
+
+        The Adam step counter is `step_count`; set it (or `load_state_dict`) first.
+        """
+        main = state["main"].to(device=param.device, dtype=torch.float32)
+        param.detach().copy_(main.reshape(param.shape))
+        shard = self._shard_of.get(param)
+        if shard is None:
+            return
+        shard.main.copy_(main.reshape(-1)[shard.start : shard.end])
+        adam_state = self._adam.state[shard.main]
+        for key in STATE_KEYS[1:]:
+            full = state[key].to(device=param.device, dtype=torch.float32).reshape(-1)
+            adam_state[key] = full[shard.start : shard.end].clone()
+        step_device = shard.main.device if self._fused else "cpu"
+        adam_state["step"] = torch.tensor(
+            float(self._step_count), dtype=torch.float32, device=step_device
+        )
+
+    def state_dict(self) -> dict:
+        """{step, grad_scaler, params: [param_state(p) for p in self.params]} (collective)."""
+        return {
+            "step": self._step_count,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+            "params": [self.param_state(p) for p in self.params],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = state["step"]
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if len(state["params"]) != len(self.params):
+            raise ValueError(
+                f"optimizer state has {len(state['params'])} params, this model {len(self.params)}"
+            )
+        for param, param_state in zip(self.params, state["params"]):
+            self.load_param_state(param, param_state)
+
+
+def build_optimizer(
+    chunks: Sequence[nn.Module],
+    ddp_wrappers: Sequence[DistributedDataParallel],
+    groups: ParallelGroups,
+    config: OptimizerConfig,
+) -> MixedPrecisionOptimizer:
+    """The optimizer of this rank's model chunks (wrapped in `ddp_wrappers`) under `groups`."""
+    return MixedPrecisionOptimizer(chunks, ddp_wrappers, groups, config)
