@@ -1,0 +1,410 @@
+"""Megatron-LM's command line, translated into `MegadynConfig` and checked before training starts.
+
+    cfg = parse_args(sys.argv[1:], world_size=int(os.environ["WORLD_SIZE"]))
+    wandb_config = dump_args(cfg)            # flat {"training.micro_batch_size": 2, ...}
+
+Flags keep Megatron-LM's names, and its defaults, where the meaning is the same; megadyn's own
+are `--ckpt-keep-last` and the `--elastic-*` group. Each flag writes one config field
+(`dest="<section>.<field>"`) and takes its help text from that field's docstring, so the
+dataclasses in config.py are the one description of the job. Everything that cannot run raises
+`ConfigError` whose message starts with the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megadyn.core.optimizer import OptimizerConfig
+from megadyn.core.recompute import RecomputeConfig
+from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
+from megadyn.models.config import GPTConfig
+from megadyn.training.config import (
+    LR_DECAY_STYLES,
+    WD_INCR_STYLES,
+    WSD_DECAY_STYLES,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    MegadynConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    field_docs,
+)
+from megadyn.training.microbatches import MicroBatchCalculator
+from megadyn.training.scheduler import check_schedule
+
+__all__ = ["ConfigError", "build_parser", "dump_args", "parse_args", "validate"]
+
+GPT2_VOCAB_SIZE = 50257
+"""Tokens of the GPT-2 BPE vocabulary (GPT2BPETokenizer)."""
+
+
+class _Group:
+    """Adds flags of one config section: dest `<section>.<field>`, help from the field's docstring."""
+
+    def __init__(self, parser: argparse.ArgumentParser, title: str, section: str, cls: type):
+        self.group = parser.add_argument_group(title)
+        self.section, self.docs = section, field_docs(cls)
+        self.defaults = {
+            f.name: f.default
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING
+        }
+
+    def __call__(self, flag: str, name: str | None = None, **kw: Any) -> None:
+        name = name or flag.removeprefix("--").replace("-", "_")
+        doc = self.docs[name].replace(f" ({flag})", "")  # the flag is printed beside it anyway
+        kw.setdefault("help", doc.replace("%", "%%"))
+        if kw.get("action") not in ("store_true", "store_false"):
+            kw.setdefault("default", self.defaults.get(name))
+            if "choices" not in kw:
+                kw.setdefault("metavar", name.upper())
+        self.group.add_argument(flag, dest=f"{self.section}.{name}", **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command line of pretrain_gpt.py."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Train a GPT model with tensor, pipeline and data parallelism (megadyn).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+        exit_on_error=False,
+    )
+    m = _Group(p, "model", "model", GPTConfig)
+    m("--num-layers", type=int, default=None)
+    m("--hidden-size", type=int, default=None)
+    m("--ffn-hidden-size", type=int)
+    m("--num-attention-heads", type=int, default=None)
+    m("--num-query-groups", type=int, default=1)
+    m("--max-position-embeddings", type=int, default=None)
+    m("--position-embedding-type", choices=["learned_absolute", "rope"])
+    m("--rotary-base", type=int, default=10000)
+    m("--normalization", choices=["LayerNorm", "RMSNorm"])
+    m("--norm-epsilon", type=float)
+    m("--disable-bias-linear", "add_bias_linear", action="store_false")
+    m("--untie-embeddings-and-output-weights", action="store_true")
+    m("--hidden-dropout", type=float, default=0.1)
+    m("--attention-dropout", type=float, default=0.1)
+    m("--init-method-std", type=float)
+    m("--make-vocab-size-divisible-by", type=int)
+    extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
+    extra("--group-query-attention", dest="flag.gqa", action="store_true", help="Use GQA.")
+    extra("--swiglu", dest="flag.swiglu", action="store_true", help="SwiGLU MLP instead of GeLU.")
+
+    par = _Group(p, "parallel", "parallel", ParallelConfig)
+    par("--tensor-model-parallel-size", "tp", type=int)
+    par("--pipeline-model-parallel-size", "pp", type=int)
+    par("--num-layers-per-virtual-pipeline-stage", type=int)
+    par("--sequence-parallel", action="store_true")
+    par(
+        "--no-scatter-gather-tensors-in-pipeline",
+        "scatter_gather_tensors_in_pipeline",
+        action="store_false",
+    )
+    par("--overlap-grad-reduce", action="store_true")
+    par("--overlap-param-gather", action="store_true")
+    par("--elastic-initial-members", type=int)
+    par("--elastic-min-members", type=int)
+    par("--elastic-layout", choices=["auto", "pinned"])
+    par("--elastic-snapshot-interval", type=int)
+    par("--elastic-control-interval", type=int)
+    par("--elastic-reshard-chunk-mb", type=int)
+
+    t = _Group(p, "training", "training", TrainingConfig)
+    t("--micro-batch-size", type=int, default=None)
+    t("--global-batch-size", type=int, default=None)
+    t("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    t("--train-iters", type=int, default=None)
+    t("--train-samples", type=int)
+    t("--eval-interval", type=int)
+    t("--eval-iters", type=int)
+    t("--exit-interval", type=int)
+    t("--seed", type=int)
+    r = _Group(p, "activation recomputation", "recompute", RecomputeConfig)
+    r("--recompute-granularity", "granularity", choices=["full", "selective"])
+    r("--recompute-method", "method", choices=["uniform", "block"])
+    r("--recompute-num-layers", "num_layers", type=int)
+
+    o = _Group(p, "optimizer and mixed precision", "optimizer", OptimizerConfig)
+    o("--lr", type=float, default=None)
+    o("--min-lr", type=float)
+    o("--weight-decay", type=float)
+    o("--adam-beta1", type=float)
+    o("--adam-beta2", type=float)
+    o("--adam-eps", type=float)
+    o("--clip-grad", type=float)
+    o("--bf16", action="store_true")
+    o("--fp16", action="store_true")
+    o("--loss-scale", type=float)
+    o("--initial-loss-scale", type=float)
+    o("--min-loss-scale", type=float)
+    o("--loss-scale-window", type=int)
+    o("--hysteresis", type=int)
+    o("--use-distributed-optimizer", action="store_true")
+    o("--log-num-zeros-in-grad", action="store_true")
+
+    s = _Group(p, "learning rate and weight decay schedules", "scheduler", SchedulerConfig)
+    s("--lr-decay-style", choices=LR_DECAY_STYLES)
+    s("--lr-decay-iters", type=int)
+    s("--lr-warmup-iters", type=int)
+    s("--lr-warmup-fraction", type=float)
+    s("--lr-warmup-init", type=float)
+    s("--lr-wsd-decay-iters", type=int)
+    s("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES)
+    s("--start-weight-decay", type=float)
+    s("--end-weight-decay", type=float)
+    s("--weight-decay-incr-style", choices=WD_INCR_STYLES)
+
+    d = _Group(p, "data and tokenizer", "data", DataConfig)
+    d("--data-path", nargs="*")
+    d("--split")
+    d("--seq-length", type=int, default=None)
+    d("--mock-data", action="store_true")
+    d("--tokenizer-type", choices=TOKENIZER_TYPES)
+    d("--tokenizer-model")
+    d("--vocab-file")
+    d("--merge-file")
+    d("--vocab-size", type=int)
+    d("--num-workers", type=int)
+    d("--data-cache-path")
+
+    c = _Group(p, "checkpointing", "checkpoint", CheckpointConfig)
+    c("--save")
+    c("--load")
+    c("--save-interval", type=int)
+    c("--async-save", action="store_true")
+    c("--ckpt-keep-last", "keep_last", type=int)
+    c("--no-load-optim", action="store_true")
+    c("--no-load-rng", action="store_true")
+    c("--finetune", action="store_true")
+
+    lg = _Group(p, "logging", "logging", LoggingConfig)
+    lg("--log-interval", type=int)
+    lg("--log-throughput", action="store_true")
+    lg("--timing-log-level", type=int, choices=[0, 1, 2])
+    lg("--wandb-project")
+    lg("--wandb-exp-name")
+    lg("--wandb-save-dir")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
+    """Parse and check a command line for a job of `world_size` processes."""
+    try:
+        ns, unknown = build_parser().parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise ConfigError(f"{err.argument_name}: {err.message}") from err
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unrecognized argument (megadyn's pretrain_gpt.py)")
+    cfg = _to_config(vars(ns), world_size)
+    validate(cfg, world_size)
+    return cfg
+
+
+def _section(values: dict[str, Any], name: str) -> dict[str, Any]:
+    prefix = name + "."
+    return {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+
+
+def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
+    """Translate parsed flags into configs, filling the defaults Megatron derives."""
+    for flag, key in (
+        ("--num-layers", "model.num_layers"),
+        ("--hidden-size", "model.hidden_size"),
+        ("--num-attention-heads", "model.num_attention_heads"),
+        ("--seq-length", "data.seq_length"),
+        ("--micro-batch-size", "training.micro_batch_size"),
+        ("--lr", "optimizer.lr"),
+    ):
+        if values[key] is None:
+            raise ConfigError(f"{flag} is required")
+    parallel = ParallelConfig(**_section(values, "parallel"))
+    try:
+        optimizer = OptimizerConfig(**_section(values, "optimizer"))
+    except ValueError as err:
+        raise ConfigError.from_error(err) from err
+    data = _section(values, "data")
+    data["data_path"] = tuple(data["data_path"] or ()) or None
+    data = DataConfig(**data)
+    training = _training(values, parallel, world_size)
+
+    model = _section(values, "model")
+    flags = _section(values, "flag")
+    if not flags["gqa"]:
+        model["num_query_groups"] = None
+    if flags["swiglu"]:
+        model["activation"] = "swiglu"
+        if model["ffn_hidden_size"] is None:  # Megatron: ~8h/3, a multiple of 64
+            model["ffn_hidden_size"] = int(4 * model["hidden_size"] * 2 / 3 / 64) * 64
+    model["max_position_embeddings"] = model["max_position_embeddings"] or data.seq_length
+    model["rotary_base"] = float(model["rotary_base"])
+    model["vocab_size"] = _vocab_size(data)
+    model["params_dtype"] = (
+        torch.bfloat16 if optimizer.bf16 else torch.float16 if optimizer.fp16 else torch.float32
+    )
+    try:
+        model = GPTConfig(**model)
+    except ValueError as err:
+        raise ConfigError.from_error(err) from err
+
+    logging = _section(values, "logging")
+    logging["wandb_project"] = logging["wandb_project"] or None
+    return MegadynConfig(
+        model=model,
+        parallel=parallel,
+        training=training,
+        optimizer=optimizer,
+        scheduler=SchedulerConfig(**_section(values, "scheduler")),
+        data=data,
+        checkpoint=CheckpointConfig(**_section(values, "checkpoint")),
+        logging=LoggingConfig(**logging),
+    )
+
+
+def _training(values: dict[str, Any], parallel: ParallelConfig, world_size: int) -> TrainingConfig:
+    t = _section(values, "training")
+    if (t["train_iters"] is None) == (t["train_samples"] is None):
+        raise ConfigError("--train-iters: give exactly one of --train-iters and --train-samples")
+    if t["rampup_batch_size"] is not None:
+        if t["train_samples"] is None:
+            raise ConfigError("--rampup-batch-size needs --train-samples (as in Megatron)")
+        t["rampup_batch_size"] = tuple(t["rampup_batch_size"])
+    if t["global_batch_size"] is None:  # Megatron: one micro batch per step
+        dp = max(1, parallel.members(world_size) // (parallel.tp * parallel.pp))
+        t["global_batch_size"] = t["micro_batch_size"] * dp
+    try:
+        t["recompute"] = RecomputeConfig(**_section(values, "recompute"))
+    except ValueError as err:
+        raise ConfigError.from_error(err) from err
+    if t["train_samples"] is not None:
+        batches = MicroBatchCalculator(
+            t["micro_batch_size"], t["global_batch_size"], t["rampup_batch_size"]
+        )
+        t["train_iters"] = batches.train_iterations(t["train_samples"])
+    return TrainingConfig(**t)
+
+
+def _vocab_size(data: DataConfig) -> int:
+    """The tokenizer's vocabulary, when the command line tells it (else GPTConfig's default,
+    to be replaced by the trainer with the loaded tokenizer's size)."""
+    if data.tokenizer_type == "NullTokenizer" and data.vocab_size:
+        return data.vocab_size + 1  # Megatron's NullTokenizer appends an end-of-document token
+    if data.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2_VOCAB_SIZE
+    return data.vocab_size or GPTConfig.vocab_size
+
+
+def validate(cfg: MegadynConfig, world_size: int) -> None:
+    """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
+    model, par, train = cfg.model, cfg.parallel, cfg.training
+    members = par.members(world_size)
+    if not 1 <= members <= world_size:
+        raise ConfigError(
+            f"--elastic-initial-members ({members}) must be between 1 and the world size "
+            f"({world_size})"
+        )
+    if not 1 <= par.elastic_min_members <= members:
+        raise ConfigError(
+            f"--elastic-min-members ({par.elastic_min_members}) must be between 1 and the "
+            f"initial members ({members})"
+        )
+    per_stage = model.num_layers // par.pp
+    nlpvps = par.num_layers_per_virtual_pipeline_stage
+    if nlpvps is not None and (nlpvps < 1 or per_stage % nlpvps):
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage ({nlpvps}) must divide the layers per "
+            f"pipeline stage (--num-layers {model.num_layers} / "
+            f"--pipeline-model-parallel-size {par.pp} = {per_stage})"
+        )
+    try:
+        layout = cfg.layout(world_size)
+        layout.validate(
+            num_layers=model.num_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_query_groups=model.num_query_groups,
+            seq_length=cfg.data.seq_length,
+            global_batch_size=train.global_batch_size,
+            micro_batch_size=train.micro_batch_size,
+        )
+    except ValueError as err:  # LayoutError
+        raise ConfigError.from_error(err) from err
+    dist_opt = cfg.optimizer.use_distributed_optimizer
+    if par.overlap_param_gather and not (dist_opt and par.overlap_grad_reduce):
+        raise ConfigError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+        )
+    MicroBatchCalculator.from_config(train).check_dp_size(layout.dp)
+    rc = train.recompute
+    chunk_layers = model.num_layers // (layout.pp * layout.vpp)
+    if rc.granularity == "selective" and rc.num_layers is not None:
+        raise ConfigError("--recompute-num-layers is only used with --recompute-granularity full")
+    if rc.granularity == "full" and rc.num_layers > chunk_layers:
+        raise ConfigError(
+            f"--recompute-num-layers ({rc.num_layers}) exceeds the layers of one pipeline "
+            f"chunk ({chunk_layers})"
+        )
+    check_schedule(cfg.scheduler, cfg.optimizer, train.train_iters)
+    _validate_data(cfg)
+    ckpt = cfg.checkpoint
+    if ckpt.save is not None and not (ckpt.save_interval and ckpt.save_interval > 0):
+        raise ConfigError("--save-interval (> 0) is required with --save")
+    if ckpt.keep_last is not None and ckpt.keep_last < 1:
+        raise ConfigError(f"--ckpt-keep-last must be >= 1, got {ckpt.keep_last}")
+    if cfg.logging.log_interval < 1:
+        raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
+
+
+def _validate_data(cfg: MegadynConfig) -> None:
+    data = cfg.data
+    if data.mock_data and data.data_path is not None:
+        raise ConfigError("--data-path and --mock-data are exclusive")
+    if not data.mock_data and data.data_path is None:
+        raise ConfigError("--data-path is required (or --mock-data)")
+    try:
+        if data.data_path is not None:
+            parse_data_path(data.data_path)
+        parse_split(data.split)
+    except ValueError as err:
+        raise ConfigError.from_error(err) from err
+    if cfg.model.max_position_embeddings < data.seq_length:
+        raise ConfigError(
+            f"--max-position-embeddings ({cfg.model.max_position_embeddings}) must be at least "
+            f"--seq-length ({data.seq_length})"
+        )
+    if data.tokenizer_type is None:
+        raise ConfigError(f"--tokenizer-type is required: one of {', '.join(TOKENIZER_TYPES)}")
+    needs = {
+        "NullTokenizer": {"--vocab-size": data.vocab_size},
+        "GPT2BPETokenizer": {"--vocab-file": data.vocab_file, "--merge-file": data.merge_file},
+    }.get(data.tokenizer_type, {"--tokenizer-model": data.tokenizer_model})
+    for flag, value in needs.items():
+        if value is None:
+            raise ConfigError(f"{flag} is required with --tokenizer-type {data.tokenizer_type}")
+
+
+def dump_args(cfg: MegadynConfig) -> dict[str, Any]:
+    """The whole config as one flat dict of plain values ("section.field": value), for W&B's
+    run config and for checkpoints."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(f"{prefix}.{f.name}" if prefix else f.name, getattr(obj, f.name))
+        elif isinstance(obj, tuple):
+            flat[prefix] = list(obj)
+        elif isinstance(obj, torch.dtype):
+            flat[prefix] = str(obj).removeprefix("torch.")
+        else:
+            flat[prefix] = obj
+
+    walk("", cfg)
+    return flat

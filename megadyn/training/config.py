@@ -1,0 +1,266 @@
+"""The job's configuration: one frozen dataclass per component, one docstring per field.
+
+`arguments.parse_args` translates the command line into a `MegadynConfig`; code that builds a
+job without a command line (tests, the default job, the elastic planner) builds these directly
+and checks them with `arguments.validate`:
+
+    cfg = MegadynConfig(model=GPTConfig.gpt2(...), optimizer=OptimizerConfig(lr=3e-4),
+                        training=TrainingConfig(micro_batch_size=2, global_batch_size=16,
+                                                train_iters=100))
+    validate(cfg, world_size=8)         # arguments.validate: ConfigError("--flag ...")
+
+Field docstrings are also the `--help` text of the flags (see `field_docs`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass, field
+
+from megadyn.core.layout import Layout
+from megadyn.core.optimizer import OptimizerConfig
+from megadyn.core.recompute import RecomputeConfig
+from megadyn.models.config import GPTConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message starts with the flag to change."""
+
+    @classmethod
+    def from_error(cls, err: Exception) -> ConfigError:
+        """Re-raise a ValueError of another module (LayoutError, GPTConfig) led by its first flag."""
+        msg = str(err)
+        flag = re.search(r"--[a-z0-9][a-z0-9-]*", msg)
+        if flag is None or msg.startswith(flag.group()):
+            return cls(msg)
+        return cls(f"{flag.group()}: {msg}")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, whitespace folded (used as --help)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (--tensor-model-parallel-size)."""
+    pp: int = 1
+    """Pipeline-parallel size (--pipeline-model-parallel-size)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per virtual pipeline stage, for the interleaved schedule
+    (--num-layers-per-virtual-pipeline-stage); None = no interleaving."""
+    sequence_parallel: bool = False
+    """Shard activations outside tensor-parallel regions along the sequence; needs tp > 1
+    (--sequence-parallel)."""
+    scatter_gather_tensors_in_pipeline: bool = True
+    """Send 1/tp of each activation between pipeline stages and all-gather it after (off:
+    --no-scatter-gather-tensors-in-pipeline)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass (--overlap-grad-reduce)."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward
+    (--overlap-param-gather)."""
+    elastic_initial_members: int | None = None
+    """Processes that train from the start; the rest of the launched world waits as standby
+    (--elastic-initial-members); None = all."""
+    elastic_min_members: int = 1
+    """Fewest members to keep training with; below it the job saves a checkpoint and stops
+    (--elastic-min-members)."""
+    elastic_layout: str = "auto"
+    """On a membership change, 'auto' lets the planner choose tp/pp/dp/vpp/micro batch/recompute;
+    'pinned' keeps tp, pp and vpp and changes dp only (--elastic-layout)."""
+    elastic_snapshot_interval: int = 0
+    """Iterations between host-memory snapshots of the training state, replicated to a peer; 0 = off
+    (--elastic-snapshot-interval)."""
+    elastic_control_interval: int = 1
+    """Iterations between checks for operator requests and membership changes
+    (--elastic-control-interval)."""
+    elastic_reshard_chunk_mb: int = 512
+    """Largest transfer chunk while resharding, which bounds the extra memory per rank, in MiB
+    (--elastic-reshard-chunk-mb)."""
+
+    def members(self, world_size: int) -> int:
+        """Ranks the first layout is drawn over."""
+        return self.elastic_initial_members or world_size
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Virtual stages per pipeline rank (Megatron's vpp size); 1 = no interleaving."""
+        if self.num_layers_per_virtual_pipeline_stage is None:
+            return 1
+        return max(1, num_layers // self.pp // self.num_layers_per_virtual_pipeline_stage)
+
+    def layout(self, num_members: int, num_layers: int) -> Layout:
+        """The layout with these degrees over `num_members` ranks (raises LayoutError)."""
+        return Layout.from_world(
+            num_members, self.tp, self.pp, self.virtual_stages(num_layers), self.sequence_parallel
+        )
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    micro_batch_size: int = 1
+    """Samples per micro batch on one data-parallel rank (--micro-batch-size)."""
+    global_batch_size: int = 1
+    """Samples per optimizer step over all data-parallel ranks; stays fixed when dp changes
+    (--global-batch-size)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """Start batch size, increment, ramp-up samples (--rampup-batch-size); needs --train-samples."""
+    train_iters: int = 1
+    """Optimizer steps to train for (--train-iters); derived from --train-samples when that is
+    given."""
+    train_samples: int | None = None
+    """Samples to train on, instead of --train-iters (--train-samples)."""
+    eval_interval: int = 1000
+    """Iterations between evaluations on the validation split (--eval-interval)."""
+    eval_iters: int = 100
+    """Iterations of each evaluation (--eval-iters)."""
+    exit_interval: int | None = None
+    """Exit after an iteration divisible by this (--exit-interval)."""
+    seed: int = 1234
+    """Seed of initialization, dropout and data order (--seed)."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recomputation (--recompute-granularity, --recompute-method,
+    --recompute-num-layers)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How lr and weight decay move; their values (--lr, --min-lr, --weight-decay) are in
+    OptimizerConfig."""
+
+    lr_decay_style: str = "linear"
+    """constant, linear, cosine, inverse-square-root or WSD (--lr-decay-style)."""
+    lr_decay_iters: int | None = None
+    """Iterations to decay over, warmup included; None = --train-iters (--lr-decay-iters)."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup from --lr-warmup-init to --lr (--lr-warmup-iters)."""
+    lr_warmup_fraction: float | None = None
+    """Warmup as a fraction of the decay iterations, instead of --lr-warmup-iters
+    (--lr-warmup-fraction)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at iteration 0 (--lr-warmup-init)."""
+    lr_wsd_decay_iters: int | None = None
+    """Iterations of the final annealing phase of the WSD schedule (--lr-wsd-decay-iters)."""
+    lr_wsd_decay_style: str = "exponential"
+    """Annealing shape of WSD: exponential, linear, cosine or minus_sqrt (--lr-wsd-decay-style)."""
+    start_weight_decay: float | None = None
+    """Weight decay at iteration 0; None = --weight-decay (--start-weight-decay)."""
+    end_weight_decay: float | None = None
+    """Weight decay at the last iteration; None = --weight-decay (--end-weight-decay)."""
+    weight_decay_incr_style: str = "constant"
+    """How weight decay moves from start to end over training: constant, linear or cosine
+    (--weight-decay-incr-style)."""
+
+    def warmup_iters(self, decay_iters: int) -> float:
+        """Warmup length in iterations (a float with --lr-warmup-fraction, as in Megatron)."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * decay_iters
+        return self.lr_warmup_iters
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple[str, ...] | None = None
+    """Dataset prefixes, each optionally preceded by its weight: 'p' or 'w1 p1 w2 p2' (--data-path)."""
+    split: str = "969, 30, 1"
+    """Train, validation, test proportions of --data-path (--split)."""
+    seq_length: int = 128
+    """Tokens per sample (--seq-length)."""
+    tokenizer_type: str | None = None
+    """One of megadyn.data.TOKENIZER_TYPES (--tokenizer-type)."""
+    tokenizer_model: str | None = None
+    """SentencePiece model file or Hugging Face tokenizer name/path (--tokenizer-model)."""
+    vocab_file: str | None = None
+    """GPT-2 BPE vocabulary json (--vocab-file)."""
+    merge_file: str | None = None
+    """GPT-2 BPE merges file (--merge-file)."""
+    vocab_size: int | None = None
+    """Vocabulary of the NullTokenizer, before its end-of-document token (--vocab-size)."""
+    mock_data: bool = False
+    """Train on synthetic tokens, a function of (seed, sample index); no --data-path (--mock-data)."""
+    num_workers: int = 2
+    """Data loader worker processes (--num-workers)."""
+    data_cache_path: str | None = None
+    """Directory for the cached sample indices (--data-cache-path)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    """Directory to save checkpoints to (--save)."""
+    load: str | None = None
+    """Directory to load the latest checkpoint from (--load)."""
+    save_interval: int | None = None
+    """Iterations between checkpoints; required with --save (--save-interval)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (--async-save)."""
+    keep_last: int | None = None
+    """Keep only this many newest checkpoints; None = keep all (--ckpt-keep-last, megadyn's flag)."""
+    no_load_optim: bool = False
+    """Load weights only, not the optimizer state (--no-load-optim)."""
+    no_load_rng: bool = False
+    """Do not restore the RNG states (--no-load-rng)."""
+    finetune: bool = False
+    """Load weights only and start at iteration 0 (--finetune)."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    """Iterations between log lines and W&B points (--log-interval)."""
+    log_throughput: bool = False
+    """Print TFLOP/s per GPU in the log line (--log-throughput)."""
+    timing_log_level: int = 0
+    """Accepted for Megatron compatibility: 0, 1 or 2 (--timing-log-level)."""
+    wandb_project: str | None = None
+    """W&B project; no W&B logging without it (--wandb-project)."""
+    wandb_exp_name: str | None = None
+    """W&B run name (--wandb-exp-name)."""
+    wandb_save_dir: str | None = None
+    """Local directory of W&B files; default <--save>/wandb (--wandb-save-dir)."""
+
+
+@dataclass(frozen=True)
+class MegadynConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    """The network (model flags)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel degrees and elastic behaviour."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Batch sizes, length of training, recomputation."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Adam, mixed precision, ZeRO-1 (megadyn.core.optimizer's config)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate and weight-decay schedules."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and tokenizer."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and loading."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Log line and W&B."""
+
+    def layout(self, world_size: int) -> Layout:
+        """The first layout of the job, over its initial members."""
+        members = self.parallel.members(world_size)
+        return self.parallel.layout(members, self.model.num_layers)

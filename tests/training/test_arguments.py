@@ -1,0 +1,216 @@
+"""The command line: frozen flag list, Megatron-style commands, and errors that name their flag."""
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from megadyn.core.layout import Layout
+from megadyn.training import config as config_module
+from megadyn.training.arguments import ConfigError, build_parser, dump_args, parse_args
+from megadyn.training.config import field_docs
+
+REPO = Path(__file__).resolve().parents[2]
+
+FLAGS = [
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-dropout",
+    "--bf16", "--ckpt-keep-last", "--clip-grad", "--data-cache-path", "--data-path",
+    "--disable-bias-linear", "--elastic-control-interval", "--elastic-initial-members",
+    "--elastic-layout", "--elastic-min-members", "--elastic-reshard-chunk-mb",
+    "--elastic-snapshot-interval", "--end-weight-decay", "--eval-interval", "--eval-iters",
+    "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",
+    "--group-query-attention", "--help", "--hidden-dropout", "--hidden-size", "--hysteresis",
+    "--init-method-std", "--initial-loss-scale", "--load", "--log-interval", "--log-num-zeros-in-grad", "--log-throughput",
+    "--loss-scale", "--loss-scale-window", "--lr", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-fraction",
+    "--lr-warmup-init", "--lr-warmup-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
+    "--make-vocab-size-divisible-by", "--max-position-embeddings", "--merge-file",
+    "--micro-batch-size", "--min-loss-scale", "--min-lr", "--mock-data", "--no-load-optim",
+    "--no-load-rng", "--no-scatter-gather-tensors-in-pipeline", "--norm-epsilon",
+    "--normalization", "--num-attention-heads", "--num-layers",
+    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--pipeline-model-parallel-size",
+    "--position-embedding-type", "--rampup-batch-size", "--recompute-granularity",
+    "--recompute-method", "--recompute-num-layers", "--rotary-base", "--save", "--save-interval",
+    "--seed", "--seq-length", "--sequence-parallel", "--split", "--start-weight-decay",
+    "--swiglu", "--tensor-model-parallel-size", "--timing-log-level", "--tokenizer-model",
+    "--tokenizer-type", "--train-iters", "--train-samples", "--untie-embeddings-and-output-weights",
+    "--use-distributed-optimizer", "--vocab-file", "--vocab-size", "--wandb-exp-name",
+    "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-decay-incr-style", "-h",
+]  # fmt: skip
+
+BASE = (
+    "--num-layers 8 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 16 --train-iters 100 --lr 1e-3 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 100"
+)
+
+
+def parse(extra: str = "", world_size: int = 8, base: str = BASE):
+    return parse_args(shlex.split(f"{base} {extra}"), world_size=world_size)
+
+
+def test_flag_list_is_frozen():
+    parser = build_parser()
+    flags = sorted(s for action in parser._actions for s in action.option_strings)
+    assert flags == sorted(FLAGS)
+
+
+def test_every_config_field_has_a_docstring():
+    for cls in (
+        config_module.ParallelConfig,
+        config_module.TrainingConfig,
+        config_module.SchedulerConfig,
+        config_module.DataConfig,
+        config_module.CheckpointConfig,
+        config_module.LoggingConfig,
+        config_module.MegadynConfig,
+    ):
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert names == set(field_docs(cls)), cls.__name__
+
+
+def test_megatron_style_command():
+    cmd = (
+        "--num-layers 24 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 "
+        "--seq-length 2048 --max-position-embeddings 2048 --untie-embeddings-and-output-weights "
+        "--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 32 "
+        "--train-iters 500 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine "
+        "--lr-warmup-fraction 0.01 --weight-decay 0.1 --clip-grad 1.0 --bf16 "
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--num-layers-per-virtual-pipeline-stage 6 --sequence-parallel "
+        "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        "--data-path 0.3 corpus_a 0.7 corpus_b --split 949,50,1 --tokenizer-type GPT2BPETokenizer "
+        "--vocab-file v.json --merge-file m.txt --save ck --load ck --save-interval 100 "
+        "--log-interval 10 --log-throughput --timing-log-level 2 --wandb-project p "
+        "--wandb-exp-name e --ckpt-keep-last 2"
+    )
+    cfg = parse_args(shlex.split(cmd), world_size=16)
+    assert cfg.layout(16) == Layout(tp=2, pp=2, dp=4, vpp=2, sequence_parallel=True)
+    assert cfg.model.params_dtype == torch.bfloat16
+    assert cfg.model.vocab_size == 50257 and cfg.model.padded_vocab_size(2) == 50432
+    assert cfg.model.hidden_dropout == 0.0 and cfg.model.untie_embeddings_and_output_weights
+    assert cfg.data.data_path == ("0.3", "corpus_a", "0.7", "corpus_b")
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.use_distributed_optimizer
+    assert cfg.training.recompute.method == "uniform"
+    assert cfg.checkpoint.keep_last == 2 and cfg.logging.wandb_project == "p"
+    flat = dump_args(cfg)
+    assert flat["parallel.tp"] == 2 and flat["model.params_dtype"] == "bfloat16"
+    json.dumps(flat)  # plain values only
+
+
+def test_megatron_defaults_and_derived_values():
+    cfg = parse(world_size=8)
+    assert cfg.model.hidden_dropout == 0.1 and cfg.model.attention_dropout == 0.1
+    assert cfg.model.max_position_embeddings == 32  # = --seq-length when not given
+    assert cfg.model.vocab_size == 101  # NullTokenizer appends an end-of-document token
+    assert cfg.model.num_query_groups is None  # --num-query-groups counts only with GQA
+    assert cfg.optimizer.initial_loss_scale == 2.0**32 and cfg.training.seed == 1234
+    llama = parse("--swiglu --group-query-attention --num-query-groups 2 --disable-bias-linear")
+    assert llama.model.activation == "swiglu" and llama.model.num_query_groups == 2
+    assert llama.model.ffn_hidden_size == 128 and not llama.model.add_bias_linear  # 8*64/3 -> 128
+    no_gbs = parse_args(shlex.split(BASE.replace("--global-batch-size 16", "")), world_size=4)
+    assert no_gbs.training.global_batch_size == 2 * 4
+    samples = parse("--train-samples 1600", base=BASE.replace("--train-iters 100", ""))
+    assert samples.training.train_iters == 100
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, flag",
+    [
+        ("--tensor-model-parallel-size 4", 6, "--tensor-model-parallel-size"),
+        ("--global-batch-size 24", 8, "--global-batch-size"),
+        ("--tokenizer-type Nope", 8, "--tokenizer-type"),
+        ("--bf16 --fp16", 8, "--bf16"),
+        ("--recompute-method uniform", 8, "--recompute-method"),
+        ("--recompute-granularity full", 8, "--recompute-granularity"),
+        ("--recompute-granularity selective --recompute-num-layers 1", 8, "--recompute-num-layers"),
+        ("--recompute-granularity full --recompute-method block --recompute-num-layers 9", 8,
+         "--recompute-num-layers"),
+        ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 8,
+         "--num-layers-per-virtual-pipeline-stage"),
+        ("--num-layers-per-virtual-pipeline-stage 2", 8, "--num-layers-per-virtual-pipeline-stage"),
+        ("--pipeline-model-parallel-size 3", 6, "--num-layers"),
+        ("--sequence-parallel", 8, "--sequence-parallel"),
+        ("--tensor-model-parallel-size 16", 16, "--num-attention-heads"),
+        ("--hidden-size 60", 8, "--hidden-size"),
+        ("--overlap-param-gather", 8, "--overlap-param-gather"),
+        ("--train-samples 100", 8, "--train-iters"),
+        ("--rampup-batch-size 4 4 100", 8, "--rampup-batch-size"),
+        ("--lr-warmup-iters 100", 8, "--lr-warmup-iters"),
+        ("--lr-warmup-iters 10 --lr-warmup-fraction 0.1", 8, "--lr-warmup-fraction"),
+        ("--min-lr 1", 8, "--min-lr"),
+        ("--lr-decay-style WSD", 8, "--lr-wsd-decay-iters"),
+        ("--start-weight-decay 0.1", 8, "--start-weight-decay"),
+        ("--weight-decay-incr-style linear", 8, "--weight-decay-incr-style"),
+        ("--max-position-embeddings 16", 8, "--max-position-embeddings"),
+        ("--data-path corpus", 8, "--data-path"),
+        ("--save ckpts", 8, "--save-interval"),
+        ("--ckpt-keep-last 0", 8, "--ckpt-keep-last"),
+        ("--elastic-initial-members 16", 8, "--elastic-initial-members"),
+        ("--elastic-min-members 9", 8, "--elastic-min-members"),
+        ("--micro-batch-size two", 8, "--micro-batch-size"),
+        ("--no-such-flag 3", 8, "--no-such-flag"),
+    ],
+)  # fmt: skip
+def test_validation_errors_name_their_flag(extra, world_size, flag):
+    with pytest.raises(ConfigError) as err:
+        parse(extra, world_size)
+    assert str(err.value).startswith(flag), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "drop, add, flag",
+    [
+        ("--mock-data", "", "--data-path"),
+        ("--vocab-size 100", "", "--vocab-size"),
+        ("--num-layers 8", "", "--num-layers"),
+        ("--lr 1e-3", "", "--lr"),
+        ("--tokenizer-type NullTokenizer", "", "--tokenizer-type"),
+        ("--mock-data", "--data-path 0.5 a -1 b", "--data-path"),
+        ("--mock-data", "--data-path a --split 0,0,0", "--split"),
+        ("--tokenizer-type NullTokenizer", "--tokenizer-type GPT2BPETokenizer", "--vocab-file"),
+        ("--tokenizer-type NullTokenizer", "--tokenizer-type HuggingFaceTokenizer",
+         "--tokenizer-model"),
+        ("--train-iters 100", "--train-samples 1000 --rampup-batch-size 4 5 100",
+         "--rampup-batch-size"),
+        ("--train-iters 100", "--train-samples 1000 --rampup-batch-size 4 4 100",
+         "--rampup-batch-size"),  # 4 is not divisible by micro batch 2 x dp 8
+    ],
+)  # fmt: skip
+def test_missing_or_inconsistent_flags(drop, add, flag):
+    with pytest.raises(ConfigError) as err:
+        parse(add, base=BASE.replace(drop, ""))
+    assert str(err.value).startswith(flag), str(err.value)
+
+
+def _script_argv(script: str, env: dict[str, str]) -> list[str]:
+    """The pretrain_gpt.py arguments an example script passes to torchrun (torchrun stubbed)."""
+    stub = 'torchrun() { printf "%s\\n" "$@"; }; export -f torchrun; bash "$0"'
+    out = subprocess.run(
+        ["bash", "-c", stub, str(REPO / "examples" / script)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    return out[out.index("pretrain_gpt.py") + 1 :]
+
+
+@pytest.mark.parametrize(
+    "script, env, world_size",
+    [
+        ("train_gpt_single_node.sh", {}, 8),
+        ("train_gpt_single_node.sh", {"TP": "2", "GPUS_PER_NODE": "4"}, 4),
+        ("train_gpt_multi_node.sh", {"MASTER_ADDR": "node0", "ELASTIC_INITIAL_MEMBERS": "8"}, 16),
+    ],
+)
+def test_example_scripts_parse(script, env, world_size):
+    cfg = parse_args(_script_argv(script, env), world_size=world_size)
+    assert cfg.model.num_layers == 24 and cfg.model.padded_vocab_size(1) == 50304
+    assert cfg.model.params_dtype == torch.bfloat16
