@@ -1,0 +1,205 @@
+"""Layout-free checkpoints through torch.distributed.checkpoint (DCP).
+
+    <save>/iter_0000100/__*.distcp, .metadata   weights, fp32 main weights, Adam moments, RNG
+    <save>/iter_0000100/megadyn.json            iteration, consumed samples, scheduler, args
+    <save>/latest_checkpointed_iteration.txt    the newest complete checkpoint (moved last)
+
+Every tensor is stored under its global name and global shape (megadyn/models/sharding.py),
+each rank writing the piece its layout holds, so a checkpoint saved under one layout loads under
+any other: DCP reads each rank's new piece from whatever pieces were written. Replicas (dp
+copies, the tied embedding on the last stage) are written once.
+
+A save writes into a hidden directory and is renamed into place by rank 0 only after every
+rank finished; the tracker file moves after that. A process killed mid-save leaves the previous
+checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megadyn.training.checkpoint_items import (
+    OPTIM_KEYS,
+    check_shapes,
+    local_items,
+    rng_items,
+    set_rng_items,
+)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "megadyn.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the directory."""
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isfile(
+        os.path.join(path, ".metadata")
+    )
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under `root`: the tracker's, else the newest complete dir."""
+    tracker = os.path.join(root, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text.isdigit() and _complete(iter_dir(root, int(text))):
+            return iter_dir(root, int(text))
+    if not os.path.isdir(root):
+        return None
+    done = sorted(
+        d for d in os.listdir(root) if d.startswith("iter_") and _complete(os.path.join(root, d))
+    )
+    return os.path.join(root, done[-1]) if done else None
+
+
+class PendingSave:
+    """A save whose files are being written; `finish()` makes it the latest checkpoint."""
+
+    def __init__(self, root, iteration, tmp, meta, future, keep_last, group):
+        self.root, self.iteration, self.tmp, self.meta = root, iteration, tmp, meta
+        self.future, self.keep_last, self.group = future, keep_last, group
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def finish(self) -> str:
+        if self.future is not None:
+            self.future.result()
+        dist.barrier(group=self.group)
+        final = iter_dir(self.root, self.iteration)
+        if dist.get_rank(self.group) == 0:
+            _atomic_write(os.path.join(self.tmp, STATE_FILE), json.dumps(self.meta, indent=1))
+            if os.path.exists(final):  # saved again at the same iteration: replace it
+                shutil.rmtree(final)
+            os.replace(self.tmp, final)
+            _atomic_write(os.path.join(self.root, TRACKER), str(self.iteration))
+            _prune(self.root, self.keep_last)
+        dist.barrier(group=self.group)
+        return final
+
+
+def _prune(root: str, keep_last: int | None) -> None:
+    if not keep_last:
+        return
+    dirs = sorted(d for d in os.listdir(root) if d.startswith("iter_"))
+    for d in dirs[:-keep_last]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def save_checkpoint(
+    root,
+    iteration,
+    chunks,
+    optimizer,
+    groups,
+    meta: dict,
+    *,
+    keep_last=None,
+    async_save=False,
+    group=None,
+) -> PendingSave:
+    """Write the training state of this rank; returns a `PendingSave` (finished unless async)."""
+    items = local_items(chunks, groups, optimizer)
+    items.update(rng_items(groups, chunks))
+    tmp = os.path.join(root, f".iter_{iteration:07d}.partial")
+    if dist.get_rank(group) == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
+    dist.barrier(group=group)
+    meta = dict(meta, iteration=iteration, layout=dataclasses.asdict(groups.layout))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if async_save:
+            future = dcp.async_save(items, checkpoint_id=tmp, process_group=group)
+        else:
+            dcp.save(items, checkpoint_id=tmp, process_group=group)
+            future = None
+    pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group)
+    if not async_save:
+        pending.finish()
+    return pending
+
+
+def load_checkpoint(
+    path, chunks, optimizer, groups, *, load_optim=True, load_rng=True, group=None
+) -> dict:
+    """Load `path` (a checkpoint dir, or a root with a tracker) into this rank's model chunks
+    and optimizer under the current layout; returns the saved `megadyn.json` dict."""
+    if not _complete(path):
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(
+                f"--load {path}: no complete checkpoint found (no {STATE_FILE} and .metadata)"
+            )
+        path = found
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            meta = json.load(f)
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except (OSError, ValueError, EOFError) as e:
+        raise CheckpointError(f"--load {path}: checkpoint is unreadable ({e})") from e
+    stored = metadata.state_dict_metadata
+    has_optim = load_optim and optimizer is not None and any(k.startswith("optim.") for k in stored)
+    items = local_items(chunks, groups, optimizer if has_optim else None, empty=True)
+    check_shapes(path, items, stored)
+    rng = rng_items(groups, chunks, empty=True) if load_rng else {}
+    rng = {k: v for k, v in rng.items() if k in stored and tuple(stored[k].size) == tuple(v.shape)}
+    items.update(rng)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(items, checkpoint_id=path, process_group=group)
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps file errors per rank
+        raise CheckpointError(f"--load {path}: reading the checkpoint failed: {e}") from e
+    _apply(items, chunks, optimizer if has_optim else None, meta)
+    if optimizer is not None and not has_optim:
+        optimizer.reload_model_params()
+    if rng:
+        set_rng_items(groups, chunks, items)
+    meta["rng_restored"] = bool(rng)
+    meta["optim_restored"] = has_optim
+    return meta
+
+
+@torch.no_grad()
+def _apply(items, chunks, optimizer, meta) -> None:
+    from megadyn.training.checkpoint_items import local_value
+
+    if optimizer is not None:
+        optimizer.step_count = meta.get("optimizer_step", 0)
+        if meta.get("grad_scaler") and getattr(optimizer, "grad_scaler", None) is not None:
+            optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            param.copy_(local_value(items[f"model.{name}"]).reshape(param.shape))
+            if optimizer is not None:
+                state = {
+                    k: local_value(items[f"optim.{name}.{k}"]).reshape(param.shape)
+                    for k in OPTIM_KEYS
+                }
+                optimizer.load_param_state(param, state)

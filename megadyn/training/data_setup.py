@@ -1,0 +1,76 @@
+"""From DataConfig to a tokenizer, datasets and this data-parallel rank's loaders.
+
+The loaders are cheap to rebuild: a reconfiguration that changes dp builds new ones at the same
+global cursor (`consumed_samples`), so no sample is lost or repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megadyn.data import MicroBatchLoader, build_gpt_datasets, build_tokenizer
+from megadyn.training.config import MegadynConfig
+
+
+@dataclass
+class Datasets:
+    tokenizer: object
+    train: object
+    valid: object | None
+
+
+def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
+    """Tokenizer and datasets; rank 0 of `group` builds index caches first, the rest reuse them."""
+    d, t = cfg.data, cfg.training
+    tokenizer = build_tokenizer(
+        d.tokenizer_type or "NullTokenizer",
+        tokenizer_model=d.tokenizer_model,
+        vocab_file=d.vocab_file,
+        merge_file=d.merge_file,
+        vocab_size=d.vocab_size or (cfg.model.vocab_size - 1),
+    )
+    iters = t.train_iters
+    gbs = t.global_batch_size
+    eval_rounds = iters // t.eval_interval + 1 if t.eval_interval else 0
+    valid_samples = eval_rounds * t.eval_iters * gbs if t.eval_iters else 0
+    num_samples = (t.train_samples or iters * gbs, valid_samples, 0)
+
+    def build():
+        return build_gpt_datasets(
+            list(d.data_path) if d.data_path else None,
+            d.split,
+            d.seq_length,
+            t.seed,
+            num_samples,
+            d.data_cache_path,
+            tokenizer.eod,
+            mock=d.mock_data,
+            vocab_size=tokenizer.vocab_size,
+        )
+
+    first = dist.is_initialized() and dist.get_rank(group) == 0
+    if first or not dist.is_initialized():
+        train, valid, _ = build()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+        if not first:
+            train, valid, _ = build()
+    if train is None:
+        raise ValueError("--split leaves no training data; give the first --split part a weight")
+    return Datasets(tokenizer, train, valid)
+
+
+def build_loader(
+    dataset, cfg: MegadynConfig, dp_rank: int, dp_size: int, consumed: int
+) -> MicroBatchLoader:
+    return MicroBatchLoader(
+        dataset,
+        cfg.training.micro_batch_size,
+        dp_rank,
+        dp_size,
+        consumed_samples=consumed,
+        num_workers=cfg.data.num_workers,
+        seed=cfg.training.seed,
+    )

@@ -1,0 +1,329 @@
+"""The training loop of pretrain_gpt.py.
+
+    trainer = Trainer(cfg, groups, device)      # tokenizer, datasets, model, optimizer, loaders
+    trainer.load(path)                          # optional: any layout's checkpoint
+    losses = trainer.train()                    # per-iteration lm loss (on the logging rank)
+
+Everything that depends on the layout is made in `build(groups)`, so the elastic controller can
+call it again with new groups; the data cursor (`state.consumed_samples`) and the global batch
+size do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
+from megadyn.core.optimizer import build_optimizer
+from megadyn.core.pipeline import PipelineConfig, forward_backward
+from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
+from megadyn.models import build_gpt_chunks, masked_mean
+from megadyn.training import checkpoint as ckpt
+from megadyn.training.arguments import dump_args
+from megadyn.training.config import MegadynConfig
+from megadyn.training.data_setup import build_datasets, build_loader
+from megadyn.training.metrics import (
+    IterationStats,
+    format_iteration_line,
+    mfu,
+    model_flops_per_iteration,
+    wandb_metrics,
+)
+from megadyn.training.microbatches import MicroBatchCalculator
+from megadyn.training.scheduler import LRScheduler
+from megadyn.training.wandb_logger import create_wandb_logger
+
+
+def lm_loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
+    return masked_mean(per_token_loss, batch["loss_mask"])
+
+
+@dataclass
+class TrainState:
+    """Layout-free progress of the run."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: MegadynConfig, groups, device, *, print_fn=print):
+        self.cfg, self.device, self.print = cfg, torch.device(device), print_fn
+        self.data = build_datasets(cfg)
+        self.model_cfg = cfg.model.with_(vocab_size=self.data.tokenizer.vocab_size)
+        self.microbatches = MicroBatchCalculator.from_config(cfg.training)
+        self.state = TrainState()
+        self.train_iters = cfg.training.train_iters
+        self.wandb = create_wandb_logger(cfg, dist.get_rank(), dist.get_world_size())
+        self.build(groups)
+
+    # --- layout-dependent parts ----------------------------------------------------------------
+    def build(self, groups) -> None:
+        """Model chunks, DDP wrappers, optimizer, scheduler and loaders for `groups`."""
+        cfg, t = self.cfg, self.cfg.training
+        self.groups = groups
+        self.microbatches.check_dp_size(groups.dp_size)
+        seed_default_generator(t.seed, groups.pp_rank, self.device)
+        self.tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, self.device)
+        self.chunks = build_gpt_chunks(
+            self.model_cfg,
+            groups,
+            recompute_cfg=t.recompute,
+            tracker=self.tracker,
+            seed=t.seed,
+            device=self.device,
+        )
+        p = cfg.parallel
+        self.ddp = [
+            DistributedDataParallel(
+                c,
+                groups.dp_group,
+                overlap_grad_reduce=p.overlap_grad_reduce,
+                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            )
+            for c in self.chunks
+        ]
+        self.optimizer = build_optimizer(self.chunks, self.ddp, groups, cfg.optimizer)
+        previous = getattr(self, "scheduler", None)
+        self.scheduler = LRScheduler.from_config(
+            cfg.scheduler, cfg.optimizer, self.train_iters, optimizer=self.optimizer
+        )
+        if previous is not None:  # rebuilt under a new layout: the schedule goes on
+            self.scheduler.load_state_dict(previous.state_dict())
+        self.pipeline_cfg = PipelineConfig(
+            hidden_size=self.model_cfg.hidden_size,
+            dtype=self.model_cfg.params_dtype,
+            scatter_gather_tensors_in_pipeline=p.scatter_gather_tensors_in_pipeline,
+        )
+        self.train_loader = build_loader(
+            self.data.train, cfg, groups.dp_rank, groups.dp_size, self.state.consumed_samples
+        )
+
+    @property
+    def logs(self) -> bool:
+        """This rank prints and reports: the last rank of the layout (last stage), as Megatron."""
+        return self.groups.rank == self.groups.grid.members[-1]
+
+    # --- one step ------------------------------------------------------------------------------
+    def _no_sync(self):
+        stack = contextlib.ExitStack()
+        for d in self.ddp:
+            stack.enter_context(d.no_sync())
+        return stack
+
+    def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
+        consumed = self.state.consumed_samples
+        n = self.microbatches.num_micro_batches(consumed, self.groups.dp_size)
+        self.optimizer.zero_grad()
+        for d in self.ddp:
+            d.zero_grad_buffer()
+        losses = forward_backward(
+            self.ddp,
+            self.groups,
+            self.train_loader,
+            n,
+            config=self.pipeline_cfg,
+            loss_fn=lm_loss,
+            no_sync=self._no_sync,
+        )
+        finalize_model_grads(self.ddp, self.groups)
+        applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(1)
+        else:
+            self.state.skipped_iterations += 1
+        self.state.iteration += 1
+        self.state.consumed_samples += self.microbatches.global_batch_size(consumed)
+        assert self.train_loader.consumed_samples == self.state.consumed_samples, (
+            "data cursor drifted"
+        )
+        return self._mean_loss(losses), applied, grad_norm
+
+    def _mean_loss(self, losses) -> torch.Tensor | None:
+        """Mean lm loss of the step over micro batches and dp (on last-stage ranks)."""
+        if not self.groups.is_last_stage:
+            return None
+        loss = torch.stack([x.detach().float() for x in losses]).mean()
+        if self.groups.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.groups.dp_size
+        return loss
+
+    # --- loop ----------------------------------------------------------------------------------
+    def train(self) -> list[float]:
+        """Train to --train-iters; returns the per-iteration losses on the logging rank."""
+        t, log_every = self.cfg.training, self.cfg.logging.log_interval
+        history, window, start = [], [], time.perf_counter()
+        last_norm = None
+        while self.state.iteration < self.train_iters:
+            loss, applied, grad_norm = self.train_step()
+            if loss is not None:
+                window.append(loss)
+            last_norm = grad_norm if applied else last_norm
+            it = self.state.iteration
+            if it % log_every == 0 or it == self.train_iters:
+                history += self._log(
+                    window, last_norm, time.perf_counter() - start, len(window) or 1
+                )
+                window, start = [], time.perf_counter()
+            if t.eval_interval and it % t.eval_interval == 0 and self.data.valid is not None:
+                self.evaluate()
+            if (
+                self.cfg.checkpoint.save
+                and self.cfg.checkpoint.save_interval
+                and it % self.cfg.checkpoint.save_interval == 0
+            ):
+                self.save()
+            if t.exit_interval and it % t.exit_interval == 0:
+                break
+        if self.cfg.checkpoint.save and (
+            not self.cfg.checkpoint.save_interval
+            or self.state.iteration % self.cfg.checkpoint.save_interval
+        ):
+            self.save()
+        self.finish_saves()
+        self.wandb.finish()
+        return history
+
+    def _log(self, window, grad_norm, seconds, iters) -> list[float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        values = [w.item() for w in window]
+        if not self.logs:
+            return values
+        cfg, s = self.cfg, self.state
+        gbs = self.microbatches.global_batch_size(s.consumed_samples)
+        world = self.groups.layout.world_size
+        flops = model_flops_per_iteration(
+            self.model_cfg, gbs, cfg.data.seq_length, self.groups.tp_size
+        )
+        tflops = flops * iters / seconds / world / 1e12
+        peak = (
+            torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.device.type == "cuda"
+            else None
+        )
+        stats = IterationStats(
+            iteration=s.iteration,
+            train_iters=self.train_iters,
+            consumed_samples=s.consumed_samples,
+            elapsed_ms=1000 * seconds / iters,
+            learning_rate=self.scheduler.lr,
+            global_batch_size=gbs,
+            losses={"lm loss": sum(values) / max(len(values), 1)},
+            loss_scale=self.optimizer.loss_scale,
+            grad_norm=grad_norm,
+            skipped_iterations=s.skipped_iterations,
+            nan_iterations=s.nan_iterations,
+            tflops_per_gpu=tflops,
+            tokens_per_sec=gbs * cfg.data.seq_length * iters / seconds,
+            mfu=mfu(tflops),
+            peak_mem_gib=peak,
+        )
+        self.print(format_iteration_line(stats), flush=True)
+        self.wandb.log(wandb_metrics(stats), step=s.iteration)
+        return values
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        t = self.cfg.training
+        rounds_done = self.state.iteration // t.eval_interval - 1
+        gbs = self.microbatches.global_batch_size(self.state.consumed_samples)
+        loader = build_loader(
+            self.data.valid,
+            self.cfg,
+            self.groups.dp_rank,
+            self.groups.dp_size,
+            max(rounds_done, 0) * t.eval_iters * gbs,
+        )
+        n = self.microbatches.num_micro_batches(self.state.consumed_samples, self.groups.dp_size)
+        for c in self.chunks:
+            c.eval()
+        losses = []
+        for _ in range(t.eval_iters):
+            losses += forward_backward(
+                self.ddp,
+                self.groups,
+                loader,
+                n,
+                config=self.pipeline_cfg,
+                loss_fn=lm_loss,
+                forward_only=True,
+            )
+        for c in self.chunks:
+            c.train()
+        loss = self._mean_loss(losses)
+        if loss is not None and self.logs:
+            value = loss.item()
+            self.print(
+                f" validation loss at iteration {self.state.iteration} | lm loss value: {value:.6E} | "
+                f"lm loss PPL: {torch.exp(loss).item():.6E} |",
+                flush=True,
+            )
+            self.wandb.log({"lm loss validation": value}, step=self.state.iteration)
+            return value
+        return None
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> None:
+        self.finish_saves()
+        c = self.cfg.checkpoint
+        meta = {
+            "state": dataclasses.asdict(self.state),
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer_step": self.optimizer.step_count,
+            "args": dump_args(self.cfg),
+            "grad_scaler": self.optimizer.grad_scaler.state_dict()
+            if getattr(self.optimizer, "grad_scaler", None)
+            else None,
+        }
+        self._pending = ckpt.save_checkpoint(
+            c.save,
+            self.state.iteration,
+            self.chunks,
+            self.optimizer,
+            self.groups,
+            meta,
+            keep_last=c.keep_last,
+            async_save=c.async_save,
+        )
+        if self.logs:
+            self.print(
+                f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
+            )
+
+    def finish_saves(self) -> None:
+        pending = getattr(self, "_pending", None)
+        if pending is not None and pending.future is not None:
+            pending.finish()
+        self._pending = None
+
+    def load(self, path: str) -> None:
+        c = self.cfg.checkpoint
+        meta = ckpt.load_checkpoint(
+            path,
+            self.chunks,
+            self.optimizer,
+            self.groups,
+            load_optim=not (c.no_load_optim or c.finetune),
+            load_rng=not c.no_load_rng,
+        )
+        if not c.finetune and "state" in meta:
+            self.state = TrainState(**meta["state"])
+            self.scheduler.load_state_dict(meta["scheduler"], strict=False)
+            self.train_loader.consumed_samples = self.state.consumed_samples
+        if self.logs:
+            self.print(
+                f" loaded checkpoint {path} at iteration {self.state.iteration} "
+                f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
+                f"RNG {'restored' if meta['rng_restored'] else 'reseeded'})",
+                flush=True,
+            )

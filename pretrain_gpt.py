@@ -1,0 +1,62 @@
+"""Pretrain a GPT model with megadyn: `torchrun --nproc-per-node N pretrain_gpt.py <Megatron flags>`.
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 2048 ... --mock-data
+    torchrun --nproc-per-node 4 pretrain_gpt.py --default-job      # the README's main job
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+from megadyn.core.groups import ParallelGroups
+from megadyn.training.arguments import parse_args
+from megadyn.training.config import ConfigError
+from megadyn.training.distributed_init import init_distributed
+from megadyn.training.trainer import Trainer
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    device = init_distributed()
+    world = dist.get_world_size()
+    if "--default-job" in argv:
+        from megadyn.training.default_job import default_job_argv
+
+        argv.remove("--default-job")
+        argv = default_job_argv(argv, world, device.type == "cuda")
+    try:
+        cfg = parse_args(argv, world)
+    except ConfigError as e:
+        if dist.get_rank() == 0:
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
+    layout = cfg.layout(world)
+    groups = ParallelGroups.build(layout, members=range(layout.world_size))
+    if dist.get_rank() == 0:
+        print(
+            f" megadyn: {world} processes, layout tp={layout.tp} pp={layout.pp} dp={layout.dp} "
+            f"vpp={layout.vpp} sequence_parallel={layout.sequence_parallel}, device {device.type}",
+            flush=True,
+        )
+    trainer = Trainer(cfg, groups, device)
+    load = cfg.checkpoint.load
+    if load and (os.path.isdir(load)):
+        from megadyn.training.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(load) or os.path.isfile(os.path.join(load, ".metadata")):
+            trainer.load(load)
+        elif dist.get_rank() == 0:
+            print(f" --load {load}: no checkpoint found, training from scratch", flush=True)
+    history = trainer.train()
+    groups.destroy()
+    dist.destroy_process_group()
+    return history
+
+
+if __name__ == "__main__":
+    main()
