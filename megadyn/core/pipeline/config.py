@@ -1,0 +1,30 @@
+"""Configuration of the pipeline schedules: one dataclass, one docstring per field.
+
+    config = PipelineConfig(hidden_size=cfg.hidden_size, dtype=cfg.params_dtype)
+    config = PipelineConfig(hidden_size=..., scatter_gather_tensors_in_pipeline=False)
+
+The layout (pp, vpp, tp, sequence parallelism) is not repeated here: the schedules read it from
+the `ParallelGroups` they are given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    hidden_size: int
+    """Width h of the activations sent between stages ([s(/tp), b, h]) (--hidden-size)."""
+    dtype: torch.dtype = torch.float32
+    """Dtype of the activations and gradients sent between stages: the model's dtype."""
+    scatter_gather_tensors_in_pipeline: bool = True
+    """Without sequence parallelism, each tp rank sends 1/tp of an activation (or gradient) to
+    its peer of the next stage, which all-gathers it over tp (PTD-P paper, section 4.1)
+    (off: --no-scatter-gather-tensors-in-pipeline)."""
+    deallocate_pipeline_outputs: bool = True
+    """Free the data of an activation once it is sent, keeping only its autograd graph
+    (Megatron's `deallocate_output_tensor`); the backward then goes through the engine
+    directly."""

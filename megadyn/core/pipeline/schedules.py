@@ -1,0 +1,125 @@
+"""Pipeline schedules: which micro batch each rank runs forward or backward, and when it talks.
+
+    losses = forward_backward(chunks, groups, batches, num_microbatches,
+                              config=PipelineConfig(hidden_size=h, dtype=dtype),
+                              loss_fn=lambda loss, b: masked_mean(loss, b["loss_mask"]),
+                              no_sync=no_sync)      # then finalize_model_grads, optimizer.step
+    losses = forward_backward(..., forward_only=True)   # evaluation
+
+`forward_backward` picks the schedule from the layout (`get_schedule`):
+- pp = 1: gradient accumulation over the micro batches (no pipelining);
+- pp > 1: 1F1B (PipeDream-Flush): warm-up forwards, steady one-forward-one-backward, cool-down
+  backwards; rank i holds at most pp - i micro batches' activations;
+- pp > 1 with virtual stages: interleaved 1F1B (interleaved.py).
+
+Each returns the per-micro-batch losses (the loss function's values) on the last stage and an
+empty list elsewhere; gradients accumulate in the chunks' parameters (mean over micro batches),
+with every backward but each chunk's last inside `no_sync()`. Reductions across dp, tp
+(sequence parallelism) and the embedding group are the caller's (`finalize_model_grads`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+from megadyn.core.layout import Layout, LayoutError
+from megadyn.core.pipeline.config import PipelineConfig
+from megadyn.core.pipeline.interleaved import (
+    check_interleaved_microbatches,
+    forward_backward_interleaved,
+)
+from megadyn.core.pipeline.steps import LossFn, MicroBatchSteps, ScheduleStats
+
+Schedule = Callable[[MicroBatchSteps], list[torch.Tensor]]
+
+
+def forward_backward_no_pipelining(steps: MicroBatchSteps) -> list[torch.Tensor]:
+    """pp = 1: forward and backward each micro batch in turn (gradient accumulation)."""
+    for _ in range(steps.num_microbatches):
+        steps.forward(0, None)
+        if not steps.forward_only:
+            steps.backward(0, None)
+    return steps.finish()
+
+
+def forward_backward_1f1b(steps: MicroBatchSteps) -> list[torch.Tensor]:
+    """PipeDream-Flush 1F1B over one chunk per rank."""
+    comm, m, groups = steps.comm, steps.num_microbatches, steps.groups
+    warmup = m if steps.forward_only else min(groups.pp_size - groups.pp_rank - 1, m)
+    steady = m - warmup
+
+    # warm-up: forwards only, filling the pipeline
+    for _ in range(warmup):
+        comm.send_forward(steps.forward(0, comm.recv_forward()))
+
+    # steady state: one forward, one backward (the oldest micro batch)
+    x = comm.recv_forward() if steady else None
+    for i in range(steady):
+        grad_y = comm.send_forward_recv_backward(steps.forward(0, x))
+        grad_x = steps.backward(0, grad_y)
+        if i == steady - 1:
+            comm.send_backward(grad_x)
+        else:
+            x = comm.send_backward_recv_forward(grad_x)
+
+    # cool-down: the backwards of the warm-up micro batches
+    for _ in range(0 if steps.forward_only else warmup):
+        comm.send_backward(steps.backward(0, comm.recv_backward()))
+    return steps.finish()
+
+
+def get_schedule(layout: Layout) -> Schedule:
+    """The schedule that runs `layout`."""
+    if layout.pp == 1:
+        return forward_backward_no_pipelining
+    if layout.vpp > 1:
+        return forward_backward_interleaved
+    return forward_backward_1f1b
+
+
+def forward_backward(
+    chunks: list[torch.nn.Module],
+    groups,
+    batches: Iterator[dict],
+    num_microbatches: int,
+    *,
+    config: PipelineConfig,
+    loss_fn: LossFn,
+    forward_only: bool = False,
+    no_sync: Callable[[], ContextManager] | None = None,
+    stats: ScheduleStats | None = None,
+) -> list[torch.Tensor]:
+    """Run one step's micro batches through this rank's chunks with the layout's schedule.
+
+    `chunks` are this rank's model chunks, one per virtual stage (`build_gpt_chunks`);
+    `batches` yields `num_microbatches` dicts of [b, s] tensors (every rank draws them all);
+    `loss_fn(per_token_loss, batch)` gives a micro batch's scalar loss on the last stage;
+    `no_sync()` (covering all chunks) disables data-parallel gradient reduction; `stats`, if
+    given, receives measurements. Returns the micro-batch losses on the last stage, [] elsewhere.
+    """
+    layout = groups.layout
+    if len(chunks) != layout.vpp:
+        raise LayoutError(
+            f"this rank has {len(chunks)} model chunks but the layout has {layout.vpp} virtual "
+            "stages per pipeline rank (--num-layers-per-virtual-pipeline-stage)"
+        )
+    schedule = get_schedule(layout)
+    if schedule is forward_backward_interleaved:
+        check_interleaved_microbatches(num_microbatches, layout.pp)
+    steps = MicroBatchSteps(
+        chunks,
+        groups,
+        batches,
+        num_microbatches,
+        config=config,
+        loss_fn=loss_fn,
+        forward_only=forward_only,
+        no_sync=no_sync,
+    )
+    losses = schedule(steps)
+    if stats is not None:
+        stats.bytes_sent += steps.comm.bytes_sent
+        stats.peak_live_microbatches = max(stats.peak_live_microbatches, steps.live.peak)
+    return losses

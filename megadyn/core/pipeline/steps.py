@@ -1,0 +1,181 @@
+"""What every schedule does to one micro batch: draw it, run a chunk forward, hold, backward.
+
+    steps = MicroBatchSteps(chunks, groups, batches, num_microbatches, config=..., loss_fn=...)
+    y = steps.forward(c, x)          # chunk c on its next micro batch; y goes to the next stage
+    grad_x = steps.backward(c, grad_y)   # oldest held micro batch of chunk c
+    losses = steps.finish()          # asserts that nothing is left over
+
+The schedules (schedules.py, interleaved.py) only decide the order of these calls and the
+communication between them; they hold no tensors themselves.
+
+A batch is a dict of [b, s] tensors: `tokens`, `position_ids`, `labels`, `loss_mask`. Every
+pipeline rank draws every micro batch from its iterator (in order, once); the first virtual
+stage reads `tokens` / `position_ids`, the last computes `loss_fn(per_token_loss, batch)`, whose
+value divided by the number of micro batches is what is back-propagated, so gradients are the
+mean over micro batches.
+
+Chunks are called as `chunk(tokens=, position_ids=, labels=, hidden_states=)` (megadyn's
+`GPTModel` contract): the last virtual stage returns per-token loss [b, s], others hidden
+states [s(/tp), b, h].
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator
+
+import torch
+from torch.autograd import Variable
+
+from megadyn.core.pipeline.config import PipelineConfig
+from megadyn.core.pipeline.p2p import P2PCommunicator
+
+LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+@dataclass
+class ScheduleStats:
+    """Measurements of one run of a schedule on this rank (for tests and logging)."""
+
+    bytes_sent: int = 0
+    """Bytes this rank sent to other pipeline stages."""
+    peak_live_microbatches: int = 0
+    """Most micro-batch forward graphs alive at once on this rank (all chunks together)."""
+
+
+class LiveGraphs:
+    """Counts forward outputs still alive: a micro batch's activations live exactly as long as
+    its output tensor (its graph) is referenced; weak references see when it is dropped."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref] = []
+        self.peak = 0
+
+    def add(self, output: torch.Tensor) -> None:
+        self._refs = [ref for ref in self._refs if ref() is not None]
+        self._refs.append(weakref.ref(output))
+        self.peak = max(self.peak, len(self._refs))
+
+
+class MicroBatches:
+    """The micro batches of one step, drawn in order and dropped when the last chunk is done."""
+
+    def __init__(self, batches: Iterator[dict], device) -> None:
+        self._iterator, self._device = batches, device
+        self._drawn: dict[int, dict] = {}
+        self._next = 0
+
+    def get(self, index: int) -> dict:
+        while self._next <= index:
+            batch = next(self._iterator)
+            self._drawn[self._next] = {k: v.to(self._device) for k, v in batch.items()}
+            self._next += 1
+        return self._drawn[index]
+
+    def release(self, index: int) -> None:
+        self._drawn.pop(index)
+
+    def __len__(self) -> int:
+        return len(self._drawn)
+
+
+def backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Back-propagate `grad` from `output`, which may have been deallocated once sent (data of
+    one element): the engine is called directly, since `torch.autograd.backward` checks the
+    gradient against the output's current shape; the graph still knows the real one."""
+    Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+class MicroBatchSteps:
+    """Forward and backward steps of this rank's chunks, with the tensors held in between."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        groups,
+        batches: Iterator[dict],
+        num_microbatches: int,
+        *,
+        config: PipelineConfig,
+        loss_fn: LossFn,
+        forward_only: bool = False,
+        no_sync: Callable[[], ContextManager] | None = None,
+    ):
+        if num_microbatches < 1:
+            raise ValueError(f"number of micro batches must be >= 1, got {num_microbatches}")
+        self.chunks, self.groups, self.config = chunks, groups, config
+        self.num_microbatches, self.loss_fn = num_microbatches, loss_fn
+        self.forward_only, self.no_sync = forward_only, no_sync
+        device = next(chunks[0].parameters()).device
+        self.data = MicroBatches(batches, device)
+        b, s = self.data.get(0)["tokens"].shape
+        tp = groups.tp_size if groups.layout.sequence_parallel else 1
+        shape = (s // tp, b, config.hidden_size)  # [s(/tp), b, h]
+        self.comm = P2PCommunicator(groups, config, shape, device)
+        self.held: list[deque] = [deque() for _ in chunks]  # (input, output) awaiting backward
+        self.forwards, self.backwards = [0] * len(chunks), [0] * len(chunks)
+        self.losses: list[torch.Tensor] = []
+        self.live = LiveGraphs()
+
+    def is_last_stage(self, c: int) -> bool:
+        return self.groups.is_last_stage and c == len(self.chunks) - 1
+
+    def forward(self, c: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Run chunk `c` on its next micro batch; return the activation for the next stage
+        (None on the last stage, where the loss is recorded instead)."""
+        index = self.forwards[c]
+        self.forwards[c] += 1
+        batch = self.data.get(index)
+        last = self.is_last_stage(c)
+        with torch.no_grad() if self.forward_only else nullcontext():
+            output = self.chunks[c](
+                tokens=batch["tokens"],
+                position_ids=batch.get("position_ids"),
+                labels=batch["labels"] if last else None,
+                hidden_states=x,
+            )
+            if last:
+                loss = self.loss_fn(output, batch)  # scalar: this micro batch's loss
+                self.losses.append(loss.detach())
+                output = loss / self.num_microbatches
+        if c == len(self.chunks) - 1:
+            self.data.release(index)
+        if not self.forward_only:
+            self.held[c].append((x, output))
+            self.live.add(output)
+        return None if last else output
+
+    def backward(self, c: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Back-propagate chunk `c`'s oldest held micro batch; return the gradient of its input
+        (None on the first stage). Runs under `no_sync` but for the chunk's last micro batch."""
+        x, output = self.held[c].popleft()
+        self.backwards[c] += 1
+        last_of_chunk = self.backwards[c] == self.num_microbatches
+        with nullcontext() if last_of_chunk or self.no_sync is None else self.no_sync():
+            if grad is None:
+                assert output.numel() == 1, "only the last stage's loss has no incoming gradient"
+                grad = torch.ones_like(output)
+            backward_through(output, grad)
+        return None if x is None else x.grad
+
+    def finish(self) -> list[torch.Tensor]:
+        """Check that the schedule left nothing behind; return the micro-batch losses."""
+        m = self.num_microbatches
+        assert self.comm.pending == 0, f"{self.comm.pending} sends/receives still pending"
+        assert all(n == m for n in self.forwards), f"forwards per chunk {self.forwards} != {m}"
+        if not self.forward_only:
+            assert all(n == m for n in self.backwards), f"backwards {self.backwards} != {m}"
+        assert not any(self.held), "activations left without a backward"
+        assert len(self.data) == 0, "micro batches drawn but not run"
+        return self.losses

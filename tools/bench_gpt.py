@@ -1,0 +1,131 @@
+"""Benchmark megadyn's training step on the reference GPT shapes; one JSON line, as the
+Megatron-Core reference script prints it (same arguments, same fields, same FLOPs formula).
+
+    torchrun --nproc-per-node 2 tools/bench_gpt.py --tp 2 --pp 1           # like mcore_gpt_bench.py
+    torchrun --nproc-per-node 2 tools/bench_gpt.py --tp 2 --sp             # megadyn-only: sequence parallel
+
+Random tokens, bf16 weights with fp32 main weights, the distributed optimizer, untied
+embeddings, no dropout: the configuration of the reference script. Timing is the median
+iteration after warm-up; peak memory is the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.layout import Layout
+from megadyn.core.optimizer import OptimizerConfig, build_optimizer
+from megadyn.core.pipeline import PipelineConfig, forward_backward
+from megadyn.core.recompute import RecomputeConfig
+from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
+from megadyn.models import GPTConfig, build_gpt_chunks
+from megadyn.training.distributed_init import init_distributed
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--gbs", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sp", action="store_true", help="sequence parallel")
+    p.add_argument("--attn", choices=["sdpa", "local"], default="sdpa", help="megadyn always uses sdpa")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    # megadyn-only switches
+    p.add_argument("--no-overlap-grad-reduce", action="store_true")
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse()
+    device = init_distributed()
+    world = dist.get_world_size()
+    layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp)
+    groups = ParallelGroups.build(layout, range(world))
+    cfg = GPTConfig.gpt2(
+        num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, ffn_hidden_size=4 * a.hidden,
+        vocab_size=a.vocab, max_position_embeddings=a.seq, untie_embeddings_and_output_weights=True,
+        params_dtype=torch.bfloat16,
+    )
+    recompute = dict(none=RecomputeConfig(), selective=RecomputeConfig("selective"),
+                     full=RecomputeConfig("full", "uniform", 1))[a.recompute]
+    seed_default_generator(1234, groups.pp_rank, device)
+    tracker = RNGTracker.create(1234, groups.tp_rank, groups.pp_rank, device)
+    chunks = build_gpt_chunks(cfg, groups, recompute_cfg=recompute, tracker=tracker, seed=1234, device=device)
+    distopt = not a.no_distributed_optimizer
+    ddp = [DistributedDataParallel(c, groups.dp_group, overlap_grad_reduce=not a.no_overlap_grad_reduce,
+                                   use_distributed_optimizer=distopt) for c in chunks]
+    opt = build_optimizer(chunks, ddp, groups, OptimizerConfig(lr=1e-4, bf16=True, use_distributed_optimizer=distopt))
+    pipe = PipelineConfig(hidden_size=cfg.hidden_size, dtype=cfg.params_dtype)
+    num_micro = a.gbs // (a.mbs * layout.dp)
+    gen = torch.Generator(device=device).manual_seed(groups.dp_rank + 7)
+    pos = torch.arange(a.seq, device=device).unsqueeze(0).expand(a.mbs, -1)
+    ones = torch.ones(a.mbs, a.seq, device=device)
+
+    def batches():
+        while True:
+            tok = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=device, generator=gen)
+            yield dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=ones, position_ids=pos)
+
+    def no_sync():
+        stack = contextlib.ExitStack()
+        for d in ddp:
+            stack.enter_context(d.no_sync())
+        return stack
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    data = batches()
+    times = []
+    for i in range(a.warmup + a.iters):
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        forward_backward(ddp, groups, data, num_micro, config=pipe,
+                         loss_fn=lambda loss, b: loss.float().mean(), no_sync=no_sync)
+        finalize_model_grads(ddp, groups)
+        opt.step()
+        sync()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    s, l, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs
+    flops = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    tflops = flops / med / world / 1e12
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    mem = torch.tensor([peak], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    res = dict(framework="megadyn", tp=a.tp, pp=a.pp, vpp=a.vpp, dp=layout.dp, sp=a.sp, attn="sdpa",
+               recompute=a.recompute, layers=l, hidden=h, seq=s, mbs=a.mbs, gbs=B,
+               iter_s=round(med, 4), tokens_per_s_per_gpu=round(B * s / med / world, 1),
+               tflops_per_gpu=round(tflops, 1), mfu=round(tflops / a.peak_tflops, 4),
+               peak_mem_gib=round(mem.item(), 2))
+    if dist.get_rank() == 0:
+        print(json.dumps(res), flush=True)
+    groups.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
