@@ -45,6 +45,8 @@ class ParallelGroups:
     pp_group: object = None
     mp_group: object = None
     embedding_group: object = None
+    members_group: object = None
+    """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
     pp_ranks: list[int] = field(default_factory=list)
@@ -82,6 +84,10 @@ class ParallelGroups:
                     setattr(pg, f"{kind}_group", group)
                     if kind != "mp":
                         setattr(pg, f"{kind}_ranks", ranks)
+        group = _new_group(list(members), "gloo")
+        if pg.is_member:
+            pg._owned.append(group)
+            pg.members_group = group
         return pg
 
     # --- coordinates -------------------------------------------------------------------------
@@ -131,4 +137,4 @@ class ParallelGroups:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.tp_group = self.dp_group = self.pp_group = self.mp_group = None
-        self.embedding_group = None
+        self.embedding_group = self.members_group = None

@@ -43,6 +43,8 @@ class GPTConfig:
     """Epsilon of the norms (--norm-epsilon)."""
     activation: str = "gelu"
     """'gelu' or 'swiglu' (--swiglu)."""
+    openai_gelu: bool = False
+    """GeLU by its tanh approximation, as OpenAI's GPT-2 (Hugging Face 'gelu_new') (--openai-gelu)."""
     add_bias_linear: bool = True
     """Biases in linear layers (--disable-bias-linear turns them off)."""
     untie_embeddings_and_output_weights: bool = False

@@ -115,6 +115,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, dtype, device):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         tp = group_size(tp_group)
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
         kw = dict(
@@ -135,7 +136,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)
 
 

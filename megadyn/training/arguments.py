@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     m("--hidden-dropout", type=float, default=0.1)
     m("--attention-dropout", type=float, default=0.1)
     m("--init-method-std", type=float)
+    m("--openai-gelu", action="store_true")
     m("--make-vocab-size-divisible-by", type=int)
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
     extra("--group-query-attention", dest="flag.gqa", action="store_true", help="Use GQA.")

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -132,21 +133,28 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     dist.barrier(group=group)
     meta = dict(meta, iteration=iteration, layout=dataclasses.asdict(groups.layout))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if async_save:
-            future = dcp.async_save(items, checkpoint_id=tmp, process_group=group)
-        else:
-            dcp.save(items, checkpoint_id=tmp, process_group=group)
-            future = None
+    if async_save:
+        future = _BACKGROUND.submit(_save, items, tmp, group)
+    else:
+        _save(items, tmp, group)
+        future = None
     pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group)
     if not async_save:
         pending.finish()
     return pending
 
 
+_BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megadyn-ckpt")
+
+
+def _save(items, path, group) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(items, checkpoint_id=path, process_group=group)
+
+
 def load_checkpoint(
-    path, chunks, optimizer, groups, *, load_optim=True, load_rng=True, group=None
+    path, chunks, optimizer, groups, *, load_optim=True, load_rng=True
 ) -> dict:
     """Load `path` (a checkpoint dir, or a root with a tracker) into this rank's model chunks
     and optimizer under the current layout; returns the saved `megadyn.json` dict."""
@@ -173,7 +181,7 @@ def load_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(items, checkpoint_id=path, process_group=group)
+            dcp.load(items, checkpoint_id=path, process_group=groups.members_group)
     except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps file errors per rank
         raise CheckpointError(f"--load {path}: reading the checkpoint failed: {e}") from e
     _apply(items, chunks, optimizer if has_optim else None, meta)

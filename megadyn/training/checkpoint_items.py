@@ -61,14 +61,16 @@ def _item(tensor: torch.Tensor, spec, cfg, groups):
     return sharded(tensor, pieces, rank, list(groups.tp_ranks))
 
 
-def local_items(chunks, groups, optimizer=None, *, empty: bool = False) -> dict:
-    """{key: tensor or ShardedTensor} of this rank's weights (and optimizer state)."""
+def local_items(chunks, groups, optimizer=None, *, empty: bool = False, device=None) -> dict:
+    """{key: tensor or ShardedTensor} of this rank's weights (and optimizer state); with
+    `device`, copies on that device (host staging for asynchronous saves)."""
     items = {}
     for chunk in chunks:
         specs = param_specs(chunk.cfg)
         for name, param in chunk.named_parameters():
             spec = specs[name]
             value = torch.empty_like(param) if empty else param.detach()
+            value = value if device is None else value.to(device, copy=True)
             items[f"model.{name}"] = _item(value, spec, chunk.cfg, groups)
             if optimizer is None:
                 continue

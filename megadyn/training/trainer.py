@@ -56,9 +56,11 @@ class TrainState:
 
 class Trainer:
     def __init__(self, cfg: MegadynConfig, groups, device, *, print_fn=print):
-        self.cfg, self.device, self.print = cfg, torch.device(device), print_fn
+        self.device, self.print = torch.device(device), print_fn
         self.data = build_datasets(cfg)
-        self.model_cfg = cfg.model.with_(vocab_size=self.data.tokenizer.vocab_size)
+        # the tokenizer decides the vocabulary; checkpoints record the model as trained
+        self.cfg = dataclasses.replace(cfg, model=cfg.model.with_(vocab_size=self.data.tokenizer.vocab_size))
+        self.model_cfg = self.cfg.model
         self.microbatches = MicroBatchCalculator.from_config(cfg.training)
         self.state = TrainState()
         self.train_iters = cfg.training.train_iters

@@ -32,7 +32,7 @@ FLAGS = [
     "--micro-batch-size", "--min-loss-scale", "--min-lr", "--mock-data", "--no-load-optim",
     "--no-load-rng", "--no-scatter-gather-tensors-in-pipeline", "--norm-epsilon",
     "--normalization", "--num-attention-heads", "--num-layers",
-    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers",
+    "--num-layers-per-virtual-pipeline-stage", "--num-query-groups", "--num-workers", "--openai-gelu",
     "--overlap-grad-reduce", "--overlap-param-gather", "--pipeline-model-parallel-size",
     "--position-embedding-type", "--rampup-batch-size", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--rotary-base", "--save", "--save-interval",

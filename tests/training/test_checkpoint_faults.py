@@ -70,3 +70,14 @@ def lambda_run(rank, world, argv):
     import pretrain_gpt
 
     return pretrain_gpt.main(list(argv))
+
+
+def test_async_save_keeps_last_k(tmp_path):
+    save = str(tmp_path / "ckpt")
+    losses = train(1, "--save", save, "--save-interval", "2", "--ckpt-keep-last", "2", "--async-save")
+    assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == ["iter_0000004", "iter_0000006"]
+    assert not [d for d in os.listdir(save) if d.endswith(".partial")]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "6"
+    resumed = train(1, "--load", os.path.join(save, "iter_0000004"))
+    close(resumed, losses[4:])
