@@ -45,7 +45,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sp", action="store_true", help="sequence parallel")
-    p.add_argument("--attn", choices=["sdpa", "local"], default="sdpa", help="megadyn always uses sdpa")
+    p.add_argument(
+        "--attn", choices=["sdpa", "local"], default="sdpa", help="megadyn always uses sdpa"
+    )
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
     # megadyn-only switches
@@ -61,19 +63,38 @@ def main() -> None:
     layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp)
     groups = ParallelGroups.build(layout, range(world))
     cfg = GPTConfig.gpt2(
-        num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, ffn_hidden_size=4 * a.hidden,
-        vocab_size=a.vocab, max_position_embeddings=a.seq, untie_embeddings_and_output_weights=True,
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        ffn_hidden_size=4 * a.hidden,
+        vocab_size=a.vocab,
+        max_position_embeddings=a.seq,
+        untie_embeddings_and_output_weights=True,
         params_dtype=torch.bfloat16,
     )
-    recompute = dict(none=RecomputeConfig(), selective=RecomputeConfig("selective"),
-                     full=RecomputeConfig("full", "uniform", 1))[a.recompute]
+    recompute = dict(
+        none=RecomputeConfig(),
+        selective=RecomputeConfig("selective"),
+        full=RecomputeConfig("full", "uniform", 1),
+    )[a.recompute]
     seed_default_generator(1234, groups.pp_rank, device)
     tracker = RNGTracker.create(1234, groups.tp_rank, groups.pp_rank, device)
-    chunks = build_gpt_chunks(cfg, groups, recompute_cfg=recompute, tracker=tracker, seed=1234, device=device)
+    chunks = build_gpt_chunks(
+        cfg, groups, recompute_cfg=recompute, tracker=tracker, seed=1234, device=device
+    )
     distopt = not a.no_distributed_optimizer
-    ddp = [DistributedDataParallel(c, groups.dp_group, overlap_grad_reduce=not a.no_overlap_grad_reduce,
-                                   use_distributed_optimizer=distopt) for c in chunks]
-    opt = build_optimizer(chunks, ddp, groups, OptimizerConfig(lr=1e-4, bf16=True, use_distributed_optimizer=distopt))
+    ddp = [
+        DistributedDataParallel(
+            c,
+            groups.dp_group,
+            overlap_grad_reduce=not a.no_overlap_grad_reduce,
+            use_distributed_optimizer=distopt,
+        )
+        for c in chunks
+    ]
+    opt = build_optimizer(
+        chunks, ddp, groups, OptimizerConfig(lr=1e-4, bf16=True, use_distributed_optimizer=distopt)
+    )
     pipe = PipelineConfig(hidden_size=cfg.hidden_size, dtype=cfg.params_dtype)
     num_micro = a.gbs // (a.mbs * layout.dp)
     gen = torch.Generator(device=device).manual_seed(groups.dp_rank + 7)
@@ -101,8 +122,15 @@ def main() -> None:
         sync()
         t0 = time.perf_counter()
         opt.zero_grad()
-        forward_backward(ddp, groups, data, num_micro, config=pipe,
-                         loss_fn=lambda loss, b: loss.float().mean(), no_sync=no_sync)
+        forward_backward(
+            ddp,
+            groups,
+            data,
+            num_micro,
+            config=pipe,
+            loss_fn=lambda loss, b: loss.float().mean(),
+            no_sync=no_sync,
+        )
         finalize_model_grads(ddp, groups)
         opt.step()
         sync()
@@ -110,17 +138,32 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
-    s, l, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs
-    flops = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    s, n_layers, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs
+    flops = 72 * B * s * n_layers * h * h * (1 + s / (6 * h) + V / (12 * n_layers * h))
     tflops = flops / med / world / 1e12
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     mem = torch.tensor([peak], device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    res = dict(framework="megadyn", tp=a.tp, pp=a.pp, vpp=a.vpp, dp=layout.dp, sp=a.sp, attn="sdpa",
-               recompute=a.recompute, layers=l, hidden=h, seq=s, mbs=a.mbs, gbs=B,
-               iter_s=round(med, 4), tokens_per_s_per_gpu=round(B * s / med / world, 1),
-               tflops_per_gpu=round(tflops, 1), mfu=round(tflops / a.peak_tflops, 4),
-               peak_mem_gib=round(mem.item(), 2))
+    res = dict(
+        framework="megadyn",
+        tp=a.tp,
+        pp=a.pp,
+        vpp=a.vpp,
+        dp=layout.dp,
+        sp=a.sp,
+        attn="sdpa",
+        recompute=a.recompute,
+        layers=n_layers,
+        hidden=h,
+        seq=s,
+        mbs=a.mbs,
+        gbs=B,
+        iter_s=round(med, 4),
+        tokens_per_s_per_gpu=round(B * s / med / world, 1),
+        tflops_per_gpu=round(tflops, 1),
+        mfu=round(tflops / a.peak_tflops, 4),
+        peak_mem_gib=round(mem.item(), 2),
+    )
     if dist.get_rank() == 0:
         print(json.dumps(res), flush=True)
     groups.destroy()
