@@ -19,7 +19,7 @@ from megadyn.training.distributed_init import init_distributed
 from megadyn.training.trainer import Trainer
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     device = init_distributed()
     world = dist.get_world_size()
@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> list[float]:
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
+    if cfg.parallel.elastic:
+        from megadyn.elastic.runner import run_elastic
+
+        result = run_elastic(cfg, device)
+        dist.destroy_process_group()
+        return result
     layout = cfg.layout(world)
     groups = ParallelGroups.build(layout, members=range(layout.world_size))
     if dist.get_rank() == 0:

@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     par("--elastic-snapshot-interval", type=int)
     par("--elastic-control-interval", type=int)
     par("--elastic-reshard-chunk-mb", type=int)
+    par("--elastic-control-port", type=int)
 
     t = _Group(p, "training", "training", TrainingConfig)
     t("--micro-batch-size", type=int, default=None)

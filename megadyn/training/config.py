@@ -99,6 +99,14 @@ class ParallelConfig:
     elastic_reshard_chunk_mb: int = 512
     """Largest transfer chunk while resharding, which bounds the extra memory per rank, in MiB
     (--elastic-reshard-chunk-mb)."""
+    elastic_control_port: int | None = None
+    """Port of the control store that rank 0 hosts for tools/elastic_ctl.py; setting it (or
+    --elastic-initial-members) turns live reconfiguration on (--elastic-control-port)."""
+
+    @property
+    def elastic(self) -> bool:
+        """Live reconfiguration is on."""
+        return self.elastic_control_port is not None or self.elastic_initial_members is not None
 
     def members(self, world_size: int) -> int:
         """Ranks the first layout is drawn over."""

@@ -22,7 +22,8 @@ class Datasets:
 
 
 def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
-    """Tokenizer and datasets; rank 0 of `group` builds index caches first, the rest reuse them."""
+    """Tokenizer and datasets; rank 0 of `group` builds index caches first, the rest reuse them
+    (`group=None`: build without waiting for anyone)."""
     d, t = cfg.data, cfg.training
     tokenizer = build_tokenizer(
         d.tokenizer_type or "NullTokenizer",
@@ -50,12 +51,13 @@ def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
             vocab_size=tokenizer.vocab_size,
         )
 
-    first = dist.is_initialized() and dist.get_rank(group) == 0
-    if first or not dist.is_initialized():
+    if group is None:  # no collective: caches exist already (a process joining a running job)
         train, valid, _ = build()
-    if dist.is_initialized():
+    else:
+        if dist.get_rank(group) == 0:
+            train, valid, _ = build()
         dist.barrier(group=group)
-        if not first:
+        if dist.get_rank(group) != 0:
             train, valid, _ = build()
     if train is None:
         raise ValueError("--split leaves no training data; give the first --split part a weight")

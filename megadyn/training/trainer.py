@@ -23,6 +23,7 @@ from megadyn.core.distributed import DistributedDataParallel, finalize_model_gra
 from megadyn.core.optimizer import build_optimizer
 from megadyn.core.pipeline import PipelineConfig, forward_backward
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
+from megadyn.data.sampler import micro_batch_indices
 from megadyn.models import build_gpt_chunks, masked_mean
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
@@ -54,22 +55,44 @@ class TrainState:
     nan_iterations: int = 0
 
 
+def ddp_bucket_size(cfg: MegadynConfig, dp: int) -> int | None:
+    """Gradient bucket size (elements): one bucket per chunk without overlap, else Megatron's
+    max(40M, 1M x dp). The reshard planner reads the same function to find optimizer shards."""
+    return max(40_000_000, 1_000_000 * dp) if cfg.parallel.overlap_grad_reduce else None
+
+
 class Trainer:
-    def __init__(self, cfg: MegadynConfig, groups, device, *, print_fn=print):
+    def __init__(
+        self,
+        cfg: MegadynConfig,
+        groups,
+        device,
+        *,
+        state: TrainState | None = None,
+        init_weights: bool = True,
+        step_hook=None,
+        print_fn=print,
+    ):
         self.device, self.print = torch.device(device), print_fn
-        self.data = build_datasets(cfg)
+        self.data = build_datasets(cfg, group=None if state is not None else groups.members_group)
         # the tokenizer decides the vocabulary; checkpoints record the model as trained
-        self.cfg = dataclasses.replace(cfg, model=cfg.model.with_(vocab_size=self.data.tokenizer.vocab_size))
+        self.cfg = dataclasses.replace(
+            cfg, model=cfg.model.with_(vocab_size=self.data.tokenizer.vocab_size)
+        )
         self.model_cfg = self.cfg.model
         self.microbatches = MicroBatchCalculator.from_config(cfg.training)
-        self.state = TrainState()
+        self.state = state or TrainState()
         self.train_iters = cfg.training.train_iters
+        self.step_hook = step_hook
+        self.loss_by_iteration: dict[int, float] = {}
+        self.samples_drawn: list[int] = []  # global sample indices (tp 0, first stage ranks)
         self.wandb = create_wandb_logger(cfg, dist.get_rank(), dist.get_world_size())
-        self.build(groups)
+        self.build(groups, init_weights=init_weights)
 
     # --- layout-dependent parts ----------------------------------------------------------------
-    def build(self, groups) -> None:
-        """Model chunks, DDP wrappers, optimizer, scheduler and loaders for `groups`."""
+    def build(self, groups, init_weights: bool = True) -> None:
+        """Model chunks, DDP wrappers, optimizer, scheduler and loaders for `groups` (again
+        after a reconfiguration; the weights then come from `adopt_state`)."""
         cfg, t = self.cfg, self.cfg.training
         self.groups = groups
         self.microbatches.check_dp_size(groups.dp_size)
@@ -80,7 +103,7 @@ class Trainer:
             groups,
             recompute_cfg=t.recompute,
             tracker=self.tracker,
-            seed=t.seed,
+            seed=t.seed if init_weights else None,
             device=self.device,
         )
         p = cfg.parallel
@@ -90,6 +113,7 @@ class Trainer:
                 groups.dp_group,
                 overlap_grad_reduce=p.overlap_grad_reduce,
                 use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                bucket_size=ddp_bucket_size(cfg, groups.dp_size),
             )
             for c in self.chunks
         ]
@@ -109,6 +133,42 @@ class Trainer:
             self.data.train, cfg, groups.dp_rank, groups.dp_size, self.state.consumed_samples
         )
 
+    # --- live reshard (megadyn/elastic) ---------------------------------------------------------
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors of training state by global key (see megadyn/elastic/description):
+        weights, and the fp32 main weights and Adam moments of the range this rank updates."""
+        distributed = self.cfg.optimizer.use_distributed_optimizer
+        out = {}
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                out[f"model.{name}"] = param.detach()
+                for key, value in self.optimizer.shard_state(param).items():
+                    out[f"optim.{name}.{key}"] = value if distributed else value.view(param.shape)
+        return out
+
+    @torch.no_grad()
+    def adopt_state(self, state: dict[str, torch.Tensor], optimizer_step: int) -> None:
+        """Take weights and optimizer state received from the reshard (after `build`)."""
+        self.optimizer.step_count = optimizer_step
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                param.copy_(state[f"model.{name}"].view(param.shape))
+                start, end = self.optimizer.shard_range(param)
+                if end > start:
+                    self.optimizer.load_shard_state(
+                        param,
+                        {
+                            k: state[f"optim.{name}.{k}"].reshape(-1)
+                            for k in ("main", "exp_avg", "exp_avg_sq")
+                        },
+                    )
+
+    def release(self) -> None:
+        """Drop the layout-dependent parts (this process leaves the layout)."""
+        for d in self.ddp:
+            d.remove_hooks()
+        self.chunks = self.ddp = self.optimizer = self.train_loader = None
+
     @property
     def logs(self) -> bool:
         """This rank prints and reports: the last rank of the layout (last stage), as Megatron."""
@@ -123,7 +183,14 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
         consumed = self.state.consumed_samples
-        n = self.microbatches.num_micro_batches(consumed, self.groups.dp_size)
+        g = self.groups
+        n = self.microbatches.num_micro_batches(consumed, g.dp_size)
+        if g.tp_rank == 0 and g.pp_rank == 0:
+            mbs = self.cfg.training.micro_batch_size
+            for j in range(n):
+                self.samples_drawn += micro_batch_indices(
+                    consumed + j * mbs * g.dp_size, g.dp_rank, g.dp_size, mbs
+                )
         self.optimizer.zero_grad()
         for d in self.ddp:
             d.zero_grad_buffer()
@@ -168,7 +235,7 @@ class Trainer:
         while self.state.iteration < self.train_iters:
             loss, applied, grad_norm = self.train_step()
             if loss is not None:
-                window.append(loss)
+                window.append((self.state.iteration, loss))
             last_norm = grad_norm if applied else last_norm
             it = self.state.iteration
             if it % log_every == 0 or it == self.train_iters:
@@ -186,6 +253,8 @@ class Trainer:
                 self.save()
             if t.exit_interval and it % t.exit_interval == 0:
                 break
+            if self.step_hook is not None:  # the elastic controller: may rebuild this trainer
+                self.step_hook(self)
         if self.cfg.checkpoint.save and (
             not self.cfg.checkpoint.save_interval
             or self.state.iteration % self.cfg.checkpoint.save_interval
@@ -198,7 +267,8 @@ class Trainer:
     def _log(self, window, grad_norm, seconds, iters) -> list[float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        values = [w.item() for w in window]
+        values = [w.item() for _, w in window]
+        self.loss_by_iteration.update((i, v) for (i, _), v in zip(window, values))
         if not self.logs:
             return values
         cfg, s = self.cfg, self.state

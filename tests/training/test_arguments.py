@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-dropout",
     "--bf16", "--ckpt-keep-last", "--clip-grad", "--data-cache-path", "--data-path",
-    "--disable-bias-linear", "--elastic-control-interval", "--elastic-initial-members",
+    "--disable-bias-linear", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--elastic-layout", "--elastic-min-members", "--elastic-reshard-chunk-mb",
     "--elastic-snapshot-interval", "--end-weight-decay", "--eval-interval", "--eval-iters",
     "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",

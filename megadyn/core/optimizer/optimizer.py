@@ -243,6 +243,41 @@ class MixedPrecisionOptimizer:
             float(self._step_count), dtype=torch.float32, device=step_device
         )
 
+    def shard_range(self, param: nn.Parameter) -> tuple[int, int]:
+        """[start, end) of `param.view(-1)` whose fp32 state this rank keeps (empty: (0, 0))."""
+        shard = self._shard_of.get(param)
+        return (shard.start, shard.end) if shard is not None else (0, 0)
+
+    def shard_state(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        """{main, exp_avg, exp_avg_sq} of this rank's range of `param`, flat fp32 (no comm)."""
+        shard = self._shard_of.get(param)
+        if shard is None:
+            empty = torch.zeros(0, dtype=torch.float32, device=param.device)
+            return dict.fromkeys(STATE_KEYS, empty)
+        state = self._adam_state(shard)
+        return {
+            "main": shard.main,
+            **{k: state.get(k, torch.zeros_like(shard.main)) for k in STATE_KEYS[1:]},
+        }
+
+    @torch.no_grad()
+    def load_shard_state(self, param: nn.Parameter, state: dict[str, torch.Tensor]) -> None:
+        """Set this rank's range of `param`'s fp32 state from flat tensors (no comm); the model
+        param itself is set by the caller."""
+        shard = self._shard_of.get(param)
+        if shard is None:
+            return
+        shard.main.copy_(state["main"].reshape(-1))
+        adam_state = self._adam.state[shard.main]
+        for key in STATE_KEYS[1:]:
+            adam_state[key] = (
+                state[key].to(device=param.device, dtype=torch.float32).reshape(-1).clone()
+            )
+        step_device = shard.main.device if self._fused else "cpu"
+        adam_state["step"] = torch.tensor(
+            float(self._step_count), dtype=torch.float32, device=step_device
+        )
+
     def state_dict(self) -> dict:
         """{step, grad_scaler, params: [param_state(p) for p in self.params]} (collective)."""
         return {

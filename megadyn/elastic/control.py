@@ -1,0 +1,118 @@
+"""The job's control channel: a c10d TCPStore that operators and the job's processes share.
+
+Rank 0 of the job hosts the store on `--elastic-control-port`; `tools/elastic_ctl.py` and every
+process of the job connect to it as clients. Keys:
+
+    request/next            id of the next request to write (a counter)
+    request/<id>            JSON of an operator request: {"action": "layout"|"scale", ...}
+    decision/<iteration>    the leader's decision for the step boundary after <iteration>:
+                            JSON {"epoch": n, "request": id} or "none"
+    epoch/<n>               JSON of reconfiguration n: new layout and members (standby processes
+                            wait on the next epoch's key)
+    result/<id>             JSON: {"status": "done"|"refused", "reason": ..., "layout": ...}
+    state                   JSON the job publishes for `elastic_ctl.py show`
+
+Only the leader (the first member of the current layout) reads requests; every other process
+follows its decisions, so all processes change layout at the same step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch.distributed as dist
+
+NONE = "none"
+
+
+def connect(
+    host: str,
+    port: int,
+    *,
+    is_server: bool,
+    world_size: int | None = None,
+    timeout_s: float = 300.0,
+) -> dist.TCPStore:
+    """The control store: the server on rank 0, clients elsewhere (and in the operator tool)."""
+    return dist.TCPStore(
+        host, port, world_size, is_server, timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def _get_json(store, key: str):
+    return json.loads(store.get(key).decode())
+
+
+def _set_json(store, key: str, value) -> None:
+    store.set(key, json.dumps(value))
+
+
+class ControlChannel:
+    """Reads and writes of the control keys, for the leader, the followers and the operator."""
+
+    def __init__(self, store):
+        self.store = store
+
+    # --- operator side -----------------------------------------------------------------------
+    def submit(self, request: dict) -> int:
+        """Queue an operator request; returns its id."""
+        rid = self.store.add("request/next", 1) - 1
+        _set_json(self.store, f"request/{rid}", request)
+        return rid
+
+    def result(self, rid: int, timeout_s: float) -> dict | None:
+        try:
+            self.store.wait([f"result/{rid}"], timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - a timeout: no answer yet
+            return None
+        return _get_json(self.store, f"result/{rid}")
+
+    def state(self) -> dict | None:
+        if not self.store.check(["state"]):
+            return None
+        return _get_json(self.store, "state")
+
+    # --- leader side -------------------------------------------------------------------------
+    def handled(self) -> int:
+        """Requests handled so far (kept in the store, so a new leader goes on from there)."""
+        return int(self.store.add("request/handled", 0))
+
+    def mark_handled(self, rid: int) -> None:
+        self.store.add("request/handled", 1)
+
+    def pending_request(self, handled: int) -> tuple[int, dict] | None:
+        """The oldest request with id >= `handled` that was fully written, if any."""
+        if not self.store.check([f"request/{handled}"]):
+            return None
+        return handled, _get_json(self.store, f"request/{handled}")
+
+    def decide(self, iteration: int, decision) -> None:
+        _set_json(self.store, f"decision/{iteration}", decision)
+
+    def publish_epoch(self, epoch: int, plan: dict) -> None:
+        _set_json(self.store, f"epoch/{epoch}", plan)
+
+    def answer(self, rid: int, result: dict) -> None:
+        _set_json(self.store, f"result/{rid}", result)
+
+    def publish_state(self, state: dict) -> None:
+        _set_json(self.store, "state", state)
+
+    # --- follower side -----------------------------------------------------------------------
+    def decision(self, iteration: int):
+        """Block until the leader decided for `iteration`."""
+        return _get_json(self.store, f"decision/{iteration}")
+
+    def epoch(self, n: int) -> dict:
+        """Reconfiguration `n` (published before the decision that names it)."""
+        return _get_json(self.store, f"epoch/{n}")
+
+    def wait_epoch(self, n: int, poll_s: float = 60.0) -> dict:
+        """Block, for as long as it takes, until reconfiguration `n` is published."""
+        while True:
+            try:
+                self.store.wait([f"epoch/{n}"], timedelta(seconds=poll_s))
+                return self.epoch(n)
+            except Exception:  # noqa: BLE001 - the store's wait timed out: keep waiting
+                continue

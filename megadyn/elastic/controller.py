@@ -1,0 +1,242 @@
+"""The elastic controller: change the layout of a running job at a step boundary.
+
+    RUNNING -> request -> PLAN (new layout and members) -> RESHARD (tensors move between
+    processes) -> REBUILD (groups, model chunks, optimizer, loaders) -> RUNNING
+
+Every process of the job runs one `ElasticController`. After each training step the members ask
+the leader (the first member) whether to reconfigure; the leader reads operator requests from
+the control store (tools/elastic_ctl.py) and answers for all. Standby processes (started by
+torchrun but outside the layout) wait on the next reconfiguration. Layout-free scalars (train
+state, scheduler, optimizer step) travel in the reconfiguration's JSON; tensors move with the
+reshard plan and executor, straight from process to process, without a disk checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.layout import Layout, LayoutError
+from megadyn.elastic.control import NONE, ControlChannel
+from megadyn.elastic.executor import execute_plan
+from megadyn.elastic.planner import plan_reshard
+from megadyn.elastic.requests import resolve_request
+
+
+class Released(Exception):
+    """This process left the layout; it waits as standby or exits."""
+
+
+class ElasticController:
+    def __init__(
+        self,
+        cfg,
+        channel: ControlChannel,
+        device,
+        *,
+        exit_when_released: bool = False,
+        print_fn=print,
+    ):
+        self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
+        self.exit_when_released, self.print = exit_when_released, print_fn
+        self.epoch = 0
+        self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
+        self.events: list[dict] = []
+
+    # --- members: called after every training step ------------------------------------------
+    def step_hook(self, trainer) -> None:
+        groups = trainer.groups
+        it = trainer.state.iteration
+        interval = max(1, self.cfg.parallel.elastic_control_interval)
+        if it % interval:
+            return
+        leader = groups.grid.members[0]
+        if dist.get_rank() == leader:
+            self.channel.publish_state(
+                {
+                    "iteration": it,
+                    "layout": dataclasses.asdict(groups.layout),
+                    "members": list(groups.grid.members),
+                    "live": self.live,
+                    "epoch": self.epoch,
+                }
+            )
+            self.channel.decide(it, self._leader_decision(trainer))
+        decision = self.channel.decision(it)
+        if decision == NONE:
+            return
+        self.apply(self.channel.epoch(decision["epoch"]), trainer)
+
+    def _leader_decision(self, trainer):
+        pending = self.channel.pending_request(self.channel.handled())
+        if pending is None:
+            return NONE
+        rid, request = pending
+        if trainer.state.iteration < request.get("at_iteration", 0):
+            return NONE
+        self.channel.mark_handled(rid)
+        groups = trainer.groups
+        try:
+            layout, members, release = resolve_request(
+                request, trainer.model_cfg, self.cfg, groups, self.live
+            )
+        except (LayoutError, ValueError) as e:
+            self.channel.answer(rid, {"status": "refused", "reason": str(e)})
+            self.print(
+                f" elastic: request {rid} refused: {e}; training continues on the old layout",
+                flush=True,
+            )
+            return NONE
+        rec = {
+            "epoch": self.epoch + 1,
+            "request": rid,
+            "event": request.get("action", "layout"),
+            "layout": dataclasses.asdict(layout),
+            "members": members,
+            "release": release,
+            "old_layout": dataclasses.asdict(groups.layout),
+            "old_members": list(groups.grid.members),
+            "state": dataclasses.asdict(trainer.state),
+            "scheduler": trainer.scheduler.state_dict(),
+            "optimizer_step": trainer.optimizer.step_count,
+            "vocab_size": trainer.model_cfg.vocab_size,
+        }
+        self.channel.publish_epoch(rec["epoch"], rec)
+        return {"epoch": rec["epoch"]}
+
+    # --- everyone: one reconfiguration ---------------------------------------------------------
+    def apply(self, rec: dict, trainer):
+        """Carry out reconfiguration `rec`; returns the trainer this process runs next (or None)."""
+        rank = dist.get_rank()
+        self.epoch = rec["epoch"]
+        if rec.get("event") == "finish":
+            return None
+        t0 = time.perf_counter()
+        old_layout, new_layout = Layout(**rec["old_layout"]), Layout(**rec["layout"])
+        old_members, new_members = rec["old_members"], rec["members"]
+        span = sorted(set(old_members) | set(new_members))
+        span_group = dist.new_group(span)  # every live process creates it (see groups.py)
+        new_groups = ParallelGroups.build(new_layout, new_members)
+        model_cfg = self.cfg.model.with_(vocab_size=rec["vocab_size"])
+        plan = plan_reshard(
+            model_cfg,
+            old_layout,
+            old_members,
+            new_layout,
+            new_members,
+            old_distopt=distopt_of(self.cfg, old_layout),
+            new_distopt=distopt_of(self.cfg, new_layout),
+            scalars={},
+        )
+        t_plan = time.perf_counter()
+        new_state = {}
+        if rank in span:
+            local = trainer.export_state() if trainer is not None else {}
+            chunk_bytes = self.cfg.parallel.elastic_reshard_chunk_mb * 2**20
+            new_state = execute_plan(
+                plan,
+                local.__getitem__,
+                group=span_group,
+                device=self.device,
+                round_bytes=chunk_bytes,
+            )
+            del local
+        t_reshard = time.perf_counter()
+        if trainer is not None:
+            old_groups = trainer.groups
+            if rank not in new_members:
+                trainer.release()
+            old_groups.destroy()
+        if rank in new_members:
+            trainer = self._rebuild(trainer, new_groups, new_state, rec)
+        else:
+            trainer = None
+        dist.destroy_process_group(span_group)
+        self.live = [r for r in self.live if r not in rec["release"]]
+        t_done = time.perf_counter()
+        event = {
+            "event": rec["event"],
+            "epoch": self.epoch,
+            "iteration": rec["state"]["iteration"],
+            "old": _describe(old_layout),
+            "new": _describe(new_layout),
+            "plan_s": round(t_plan - t0, 4),
+            "reshard_s": round(t_reshard - t_plan, 4),
+            "rebuild_s": round(t_done - t_reshard, 4),
+            "total_s": round(t_done - t0, 4),
+            "bytes_moved": plan.total_bytes,
+            "bytes_local": plan.local_bytes,
+            "max_rank_send_bytes": plan.max_send,
+        }
+        self.events.append(event)
+        if rank == new_members[-1]:
+            self.print(" elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items()), flush=True)
+            trainer.wandb.log_event("reconfiguration", event, step=event["iteration"])
+        if rank == new_members[0]:
+            self.channel.answer(rec["request"], {"status": "done", **event})
+        if rank in rec["release"] and self.exit_when_released:
+            raise SystemExit(0)
+        if trainer is None:
+            raise Released()
+        return trainer
+
+    def _rebuild(self, trainer, groups, new_state, rec):
+        from megadyn.training.trainer import Trainer, TrainState
+
+        state = TrainState(**rec["state"])
+        if trainer is None:  # a standby process joins
+            trainer = Trainer(
+                self.cfg,
+                groups,
+                self.device,
+                state=state,
+                init_weights=False,
+                step_hook=self.step_hook,
+            )
+            trainer.scheduler.load_state_dict(rec["scheduler"], strict=False)
+        else:
+            trainer.state = state
+            trainer.build(groups, init_weights=False)
+        trainer.adopt_state(new_state, rec["optimizer_step"])
+        return trainer
+
+    # --- standby processes -------------------------------------------------------------------
+    def standby(self):
+        """Wait for the next reconfiguration that includes this process; return its trainer,
+        or None when the job finished."""
+        rank = dist.get_rank()
+        while True:
+            rec = self.channel.wait_epoch(self.epoch + 1)
+            if rec.get("event") == "finish":
+                return None
+            try:
+                trainer = self.apply(rec, None)
+            except Released:
+                continue
+            if trainer is not None and rank in rec["members"]:
+                return trainer
+
+    def finish(self, trainer) -> None:
+        """The job is done: tell standby processes to exit."""
+        if trainer is not None and dist.get_rank() == trainer.groups.grid.members[0]:
+            self.channel.publish_epoch(self.epoch + 1, {"epoch": self.epoch + 1, "event": "finish"})
+
+
+def distopt_of(cfg, layout: Layout):
+    from megadyn.elastic.description import DistOpt
+    from megadyn.training.trainer import ddp_bucket_size
+
+    if not cfg.optimizer.use_distributed_optimizer:
+        return None
+    return DistOpt(bucket_size=ddp_bucket_size(cfg, layout.dp))
+
+
+def _describe(layout: Layout) -> str:
+    s = f"tp{layout.tp}xpp{layout.pp}xdp{layout.dp}"
+    if layout.vpp > 1:
+        s += f"xvpp{layout.vpp}"
+    return s + ("+sp" if layout.sequence_parallel else "")

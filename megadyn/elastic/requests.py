@@ -1,0 +1,105 @@
+"""Turn an operator request into a new layout and member list, or refuse it with a reason.
+
+    {"action": "layout", "tp": 1, "pp": 2, "vpp": 1, "sp": false, "members": 4}
+    {"action": "scale", "members": 2, "release": false}     # release: exit instead of standby
+
+Members are kept in order; a scale-in keeps the first members, a scale-out adds standby
+processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, pp and vpp; under
+`auto` the layout planner picks the fastest layout that fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megadyn.core.layout import Layout, LayoutError
+from megadyn.core.tensor_parallel.layers import vocab_range
+from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib
+
+
+def _gpu_memory_gib(device_type: str) -> float | None:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
+def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int]):
+    """(new layout, new members, released ranks) for `request`; raises LayoutError to refuse."""
+    members = list(groups.grid.members)
+    standby = [r for r in live if r not in members]
+    old = groups.layout
+    action = request.get("action", "layout")
+    t = cfg.training
+    if action == "layout":
+        tp, pp = int(request.get("tp", old.tp)), int(request.get("pp", old.pp))
+        n = int(request.get("members", len(members)))
+        if "dp" in request:
+            n = tp * pp * int(request["dp"])
+        layout = Layout.from_world(
+            n, tp, pp, int(request.get("vpp", 1)), bool(request.get("sp", False))
+        )
+    elif action == "scale":
+        n = int(request["members"])
+        if cfg.parallel.elastic_layout == "pinned":
+            layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
+        else:
+            gpu = _gpu_memory_gib("cuda" if groups.backend == "nccl" else "cpu") or 1e9
+            choice = LayoutPlanner(
+                model_cfg,
+                global_batch_size=t.global_batch_size,
+                seq_length=cfg.data.seq_length,
+                gpu_memory_gib=gpu,
+            ).choose(n)
+            layout = choice.layout
+    else:
+        raise LayoutError(f"unknown request action {action!r} (use 'layout' or 'scale')")
+    if n < cfg.parallel.elastic_min_members:
+        raise LayoutError(
+            f"{n} members is below --elastic-min-members ({cfg.parallel.elastic_min_members})"
+        )
+    if n > len(members) + len(standby):
+        raise LayoutError(
+            f"{n} members requested but only {len(members) + len(standby)} processes are live"
+        )
+    new_members = members[:n] if n <= len(members) else members + standby[: n - len(members)]
+    check_layout(layout, model_cfg, cfg)
+    released = [r for r in members if r not in new_members] if request.get("release") else []
+    return layout, new_members, released
+
+
+def check_layout(layout: Layout, model_cfg, cfg) -> None:
+    """Every reason a layout cannot run this job, as a LayoutError naming it."""
+    t = cfg.training
+    layout.validate(
+        num_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        seq_length=cfg.data.seq_length,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+    )
+    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    if layout.vpp > 1 and micro % layout.pp:
+        raise LayoutError(
+            f"interleaved schedule needs micro batches ({micro}) divisible by pp ({layout.pp})"
+        )
+    padded = model_cfg.padded_vocab_size(layout.tp)
+    start, end = vocab_range(model_cfg.vocab_size, padded, layout.tp - 1, layout.tp)
+    if end <= start:
+        raise LayoutError(
+            f"vocabulary of {model_cfg.vocab_size} leaves the last of {layout.tp} tp ranks no rows"
+        )
+    gpu = _gpu_memory_gib("cuda")
+    if gpu is not None:
+        need = memory_gib(
+            model_cfg,
+            layout,
+            t.micro_batch_size,
+            cfg.data.seq_length,
+            t.recompute,
+            cfg.optimizer.use_distributed_optimizer,
+        )
+        if need > gpu:
+            raise LayoutError(
+                f"the model does not fit: {need:.1f} GiB per GPU needed, {gpu:.1f} GiB available"
+            )

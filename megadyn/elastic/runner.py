@@ -1,0 +1,56 @@
+"""Run a job with live reconfiguration: members train, standby processes wait, the controller
+moves processes between the two at step boundaries.
+
+    result = run_elastic(cfg, device)     # what pretrain_gpt.py calls when elastic is on
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from megadyn.core.groups import ParallelGroups
+from megadyn.elastic.control import ControlChannel, connect
+from megadyn.elastic.controller import ElasticController, Released
+
+
+def control_channel(cfg) -> ControlChannel:
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = cfg.parallel.elastic_control_port or int(os.environ.get("MASTER_PORT", 29500)) + 1
+    store = connect(host, port, is_server=dist.get_rank() == 0)
+    dist.barrier()  # the server is up before anyone else uses the channel
+    return ControlChannel(store)
+
+
+def run_elastic(cfg, device, *, print_fn=print) -> dict:
+    """Train under the controller; returns this process's losses by iteration, the sample
+    indices it drew and the reconfiguration events it took part in."""
+    from megadyn.training.trainer import Trainer
+
+    world = dist.get_world_size()
+    controller = ElasticController(cfg, control_channel(cfg), device, print_fn=print_fn)
+    layout = cfg.layout(world)
+    groups = ParallelGroups.build(layout, members=range(layout.world_size))
+    trainer = (
+        Trainer(cfg, groups, device, step_hook=controller.step_hook) if groups.is_member else None
+    )
+    losses, samples = {}, []
+    while True:
+        if trainer is None:
+            trainer = controller.standby()
+            if trainer is None:
+                break
+        try:
+            trainer.train()
+        except Released:
+            losses.update(trainer.loss_by_iteration)
+            samples += trainer.samples_drawn
+            trainer = None
+            continue
+        losses.update(trainer.loss_by_iteration)
+        samples += trainer.samples_drawn
+        controller.finish(trainer)
+        trainer.groups.destroy()
+        break
+    return {"losses": losses, "samples": samples, "events": controller.events}

@@ -1,0 +1,115 @@
+"""Live reconfiguration end to end: a run that changes layout four times (scale in and out
+included) trains exactly like an uninterrupted run and consumes every sample once."""
+
+import threading
+from collections import Counter
+
+from megadyn.testing import free_port, spawn
+
+ARGS = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "60",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-2",
+    "--min-lr",
+    "1e-3",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "0",
+    "--num-workers",
+    "0",
+    "--seed",
+    "7",
+    "--train-iters",
+    "10",
+    "--use-distributed-optimizer",
+]
+REQUESTS = [
+    {"action": "layout", "tp": 1, "pp": 2, "members": 4, "at_iteration": 2},  # tp1 x pp2 x dp2
+    {"action": "layout", "tp": 2, "pp": 1, "members": 2, "at_iteration": 4},  # scale in: tp2 on 2
+    {"action": "layout", "tp": 1, "pp": 2, "vpp": 2, "members": 4, "at_iteration": 6},  # scale out
+    {"action": "layout", "tp": 1, "pp": 1, "members": 4, "at_iteration": 8},  # dp4
+]
+
+
+def operator(port, requests):
+    from megadyn.elastic.control import ControlChannel, connect
+
+    channel = ControlChannel(connect("127.0.0.1", port, is_server=False))
+    for r in requests:
+        channel.submit(r)
+
+
+def elastic_run(rank, world, argv, port, requests):
+    import pretrain_gpt
+
+    if rank == 0:
+        threading.Thread(target=operator, args=(port, requests), daemon=True).start()
+    return pretrain_gpt.main(list(argv))
+
+
+def plain_run(rank, world, argv):
+    import pretrain_gpt
+
+    return pretrain_gpt.main(list(argv))
+
+
+def test_four_reconfigurations_match_uninterrupted_run():
+    reference = spawn(plain_run, world=1, args=(ARGS,))[0]
+    port = free_port()
+    argv = ARGS + [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--elastic-control-port",
+        str(port),
+    ]
+    results = spawn(elastic_run, world=4, args=(argv, port, REQUESTS), timeout_s=120)
+    losses = {}
+    for r in results:
+        losses.update(r["losses"])
+    assert sorted(losses) == list(range(1, 11))
+    for i, want in enumerate(reference, start=1):
+        assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
+    drawn = Counter(s for r in results for s in r["samples"])
+    assert sorted(drawn) == list(range(80)) and set(drawn.values()) == {1}
+    events = [e for r in results for e in r["events"]]
+    assert {e["new"] for e in events} == {
+        "tp1xpp2xdp2",
+        "tp2xpp1xdp1",
+        "tp1xpp2xdp2xvpp2",
+        "tp1xpp1xdp4",
+    }
