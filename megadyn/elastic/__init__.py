@@ -1,8 +1,8 @@
 """Elastic training: the training-state description, the reshard planner and its executor.
 
-    plan = plan_reshard(cfg, old_layout, old_members, new_layout, new_members,
-                        old_distopt=DistOpt(), new_distopt=DistOpt())
-    new_state = execute_plan(plan, get_local, group=group, device=device)
+plan = plan_reshard(cfg, old_layout, old_members, new_layout, new_members,
+                    old_distopt=DistOpt(), new_distopt=DistOpt())
+new_state = execute_plan(plan, get_local, group=group, device=device)
 """
 
 from megadyn.elastic.description import (

@@ -28,21 +28,51 @@ from megadyn.elastic.requests import resolve_request
 
 
 class Released(Exception):
-    """This process left the layout; it waits as standby or exits."""
+    """This process left the layout; it waits as standby, or exits when `leave`."""
+
+    def __init__(self, leave: bool = False):
+        super().__init__("left the layout" + (" and the job" if leave else ""))
+        self.leave = leave
+
+
+def reconfiguration(
+    trainer,
+    epoch: int,
+    layout: Layout,
+    members,
+    release,
+    *,
+    event: str = "layout",
+    request: int | None = None,
+) -> dict:
+    """The JSON every process acts on: new layout and members, and the layout-free scalars."""
+    return {
+        "epoch": epoch,
+        "request": request,
+        "event": event,
+        "layout": dataclasses.asdict(layout),
+        "members": list(members),
+        "release": list(release),
+        "old_layout": dataclasses.asdict(trainer.groups.layout),
+        "old_members": list(trainer.groups.grid.members),
+        "state": dataclasses.asdict(trainer.state),
+        "scheduler": trainer.scheduler.state_dict(),
+        "optimizer_step": trainer.optimizer.step_count,
+        "vocab_size": trainer.model_cfg.vocab_size,
+    }
 
 
 class ElasticController:
     def __init__(
         self,
         cfg,
-        channel: ControlChannel,
+        channel: ControlChannel | None,
         device,
         *,
-        exit_when_released: bool = False,
         print_fn=print,
     ):
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
-        self.exit_when_released, self.print = exit_when_released, print_fn
+        self.print = print_fn
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.events: list[dict] = []
@@ -91,20 +121,15 @@ class ElasticController:
                 flush=True,
             )
             return NONE
-        rec = {
-            "epoch": self.epoch + 1,
-            "request": rid,
-            "event": request.get("action", "layout"),
-            "layout": dataclasses.asdict(layout),
-            "members": members,
-            "release": release,
-            "old_layout": dataclasses.asdict(groups.layout),
-            "old_members": list(groups.grid.members),
-            "state": dataclasses.asdict(trainer.state),
-            "scheduler": trainer.scheduler.state_dict(),
-            "optimizer_step": trainer.optimizer.step_count,
-            "vocab_size": trainer.model_cfg.vocab_size,
-        }
+        rec = reconfiguration(
+            trainer,
+            self.epoch + 1,
+            layout,
+            members,
+            release,
+            event=request.get("action", "layout"),
+            request=rid,
+        )
         self.channel.publish_epoch(rec["epoch"], rec)
         return {"epoch": rec["epoch"]}
 
@@ -176,10 +201,10 @@ class ElasticController:
         if rank == new_members[-1]:
             self.print(" elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items()), flush=True)
             trainer.wandb.log_event("reconfiguration", event, step=event["iteration"])
-        if rank == new_members[0]:
+        if rank == new_members[0] and rec.get("request") is not None:
             self.channel.answer(rec["request"], {"status": "done", **event})
-        if rank in rec["release"] and self.exit_when_released:
-            raise SystemExit(0)
+        if rank in rec["release"]:
+            raise Released(leave=True)  # asked to exit: torchrun keeps the others running
         if trainer is None:
             raise Released()
         return trainer
@@ -215,7 +240,9 @@ class ElasticController:
                 return None
             try:
                 trainer = self.apply(rec, None)
-            except Released:
+            except Released as e:
+                if e.leave:
+                    return None
                 continue
             if trainer is not None and rank in rec["members"]:
                 return trainer

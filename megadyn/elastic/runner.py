@@ -43,10 +43,12 @@ def run_elastic(cfg, device, *, print_fn=print) -> dict:
                 break
         try:
             trainer.train()
-        except Released:
+        except Released as e:
             losses.update(trainer.loss_by_iteration)
             samples += trainer.samples_drawn
             trainer = None
+            if e.leave:
+                break
             continue
         losses.update(trainer.loss_by_iteration)
         samples += trainer.samples_drawn

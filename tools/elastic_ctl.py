@@ -1,0 +1,65 @@
+"""Talk to a running megadyn job through its control store.
+
+    python tools/elastic_ctl.py --host HOST --port PORT show
+    python tools/elastic_ctl.py --port PORT layout --tp 1 --pp 2 [--vpp 2] [--sp] [--members 4]
+    python tools/elastic_ctl.py --port PORT scale 2 [--release]     # release: those processes exit
+    python tools/elastic_ctl.py --port PORT scale 4                 # standby processes join
+
+The job listens on --elastic-control-port (default MASTER_PORT + 1) of its rank-0 host. A request
+is applied at the next step boundary (or at --at-iteration); the tool waits for the answer and
+prints it: the new layout and the time of each phase, or the reason it was refused (training then
+goes on with the old layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megadyn.elastic.control import ControlChannel, connect
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="the job's --elastic-control-port")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("show", help="print the job's layout, members and iteration")
+    lay = sub.add_parser("layout", help="change the layout")
+    lay.add_argument("--tp", type=int, required=True)
+    lay.add_argument("--pp", type=int, required=True)
+    lay.add_argument("--vpp", type=int, default=1)
+    lay.add_argument("--sp", action="store_true", help="sequence parallel")
+    lay.add_argument("--members", type=int, help="number of processes to use (default: as now)")
+    lay.add_argument("--at-iteration", type=int, default=0)
+    sc = sub.add_parser("scale", help="use N processes (layout from --elastic-layout)")
+    sc.add_argument("members", type=int)
+    sc.add_argument("--release", action="store_true", help="processes left out exit instead of waiting")
+    sc.add_argument("--at-iteration", type=int, default=0)
+    a = p.parse_args(argv)
+
+    channel = ControlChannel(connect(a.host, a.port, is_server=False, timeout_s=30))
+    if a.command == "show":
+        print(json.dumps(channel.state(), indent=1))
+        return 0
+    if a.command == "layout":
+        request = {"action": "layout", "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "sp": a.sp}
+        if a.members:
+            request["members"] = a.members
+    else:
+        request = {"action": "scale", "members": a.members, "release": a.release}
+    request["at_iteration"] = a.at_iteration
+    rid = channel.submit(request)
+    print(f"request {rid} submitted: {json.dumps(request)}", flush=True)
+    result = channel.result(rid, a.timeout)
+    if result is None:
+        print(f"no answer within {a.timeout:.0f} s (the request stays queued)", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1))
+    return 0 if result.get("status") == "done" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
