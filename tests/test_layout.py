@@ -27,6 +27,14 @@ def test_megatron_rank_order_and_partition(tp, pp, dp):
     assert grid.tp_groups()[0] == list(members[:tp])
 
 
+def test_canonical_members_sort_within_stages():
+    from megadyn.core.layout import canonical_members
+
+    # tp and dp groups ascend (torch numbers group ranks in ascending order); stage order kept
+    assert canonical_members(Layout(tp=2, pp=2), (7, 3, 5, 1)) == (3, 7, 1, 5)
+    assert canonical_members(Layout(tp=2, dp=2), (7, 3, 5, 1)) == (1, 3, 5, 7)
+
+
 def test_members_may_be_any_subset_in_any_order():
     grid = RankGrid(Layout(tp=2, dp=2), (7, 3, 5, 1))
     assert grid.tp_groups() == [[7, 3], [5, 1]]

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid
+from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid, canonical_members
 
 
 def _new_group(ranks: list[int], backend: str):
@@ -66,6 +66,11 @@ class ParallelGroups:
         if bad:
             raise LayoutError(f"member ranks {bad} are outside the world of {world} processes")
         grid = RankGrid(layout, members)
+        if canonical_members(layout, members) != members:
+            raise LayoutError(
+                f"members {list(members)} must be ascending within each pipeline stage, as torch "
+                f"numbers group ranks: use {list(canonical_members(layout, members))}"
+            )
         backend = backend or dist.get_backend()
         rank = dist.get_rank()
         coords = grid.coords_of(rank) if rank in members else None

@@ -149,9 +149,24 @@ def chunk_layer_range(layout: Layout, num_layers: int, pp_rank: int, chunk: int)
     return range(stage * per, (stage + 1) * per)
 
 
+def canonical_members(layout: Layout, members) -> tuple[int, ...]:
+    """`members` reordered so that every tp and dp group lists its ranks in ascending order.
+
+    torch numbers the ranks of a process group in ascending global order, and megadyn's layers
+    take their tp / dp coordinate from that number; so within each pipeline stage the ranks are
+    sorted and laid out tp-fastest. The order of the stages is kept.
+    """
+    members = tuple(int(m) for m in members)
+    per_stage = layout.tp * layout.dp
+    out: list[int] = []
+    for p in range(len(members) // per_stage if per_stage else 0):
+        out += sorted(members[p * per_stage : (p + 1) * per_stage])
+    return tuple(out) + members[len(out) :]
+
+
 @dataclass(frozen=True)
 class RankGrid:
-    """A layout drawn over an ordered list of member ranks."""
+    """A layout drawn over an ordered list of member ranks (see `canonical_members`)."""
 
     layout: Layout
     members: tuple[int, ...]
@@ -165,6 +180,7 @@ class RankGrid:
             )
         if len(set(self.members)) != len(self.members):
             raise LayoutError(f"member ranks repeat: {list(self.members)}")
+
 
     def rank_of(self, coords: Coords) -> int:
         t, d = self.layout.tp, self.layout.dp

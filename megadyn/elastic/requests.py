@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megadyn.core.layout import Layout, LayoutError
+from megadyn.core.layout import Layout, LayoutError, canonical_members
 from megadyn.core.tensor_parallel.layers import vocab_range
 from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib
 
@@ -62,6 +62,7 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int]):
             f"{n} members requested but only {len(members) + len(standby)} processes are live"
         )
     new_members = members[:n] if n <= len(members) else members + standby[: n - len(members)]
+    new_members = list(canonical_members(layout, new_members))
     check_layout(layout, model_cfg, cfg)
     released = [r for r in members if r not in new_members] if request.get("release") else []
     return layout, new_members, released
