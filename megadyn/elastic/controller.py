@@ -144,7 +144,11 @@ class ElasticController:
         old_layout, new_layout = Layout(**rec["old_layout"]), Layout(**rec["layout"])
         old_members, new_members = rec["old_members"], rec["members"]
         span = sorted(set(old_members) | set(new_members))
-        span_group = dist.new_group(span)  # every live process creates it (see groups.py)
+        # the reshard runs over the world group while every process of the job is alive (its
+        # NCCL communicator exists already); else over a group of the old and new members,
+        # which every live process creates (see groups.py)
+        whole_world = len(self.live) == dist.get_world_size()
+        span_group = None if whole_world else dist.new_group(span)
         new_groups = ParallelGroups.build(new_layout, new_members)
         model_cfg = self.cfg.model.with_(vocab_size=rec["vocab_size"])
         plan = plan_reshard(
@@ -180,7 +184,8 @@ class ElasticController:
             trainer = self._rebuild(trainer, new_groups, new_state, rec)
         else:
             trainer = None
-        dist.destroy_process_group(span_group)
+        if span_group is not None:
+            dist.destroy_process_group(span_group)
         self.live = [r for r in self.live if r not in rec["release"]]
         t_done = time.perf_counter()
         event = {
