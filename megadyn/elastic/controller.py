@@ -204,7 +204,7 @@ class ElasticController:
         }
         self.events.append(event)
         if rank == new_members[-1]:
-            self.print(" elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items()), flush=True)
+            self.print(format_event(event), flush=True)
             trainer.wandb.log_event("reconfiguration", event, step=event["iteration"])
         if rank == new_members[0] and rec.get("request") is not None:
             self.channel.answer(rec["request"], {"status": "done", **event})
@@ -256,6 +256,11 @@ class ElasticController:
         """The job is done: tell standby processes to exit."""
         if trainer is not None and dist.get_rank() == trainer.groups.grid.members[0]:
             self.channel.publish_epoch(self.epoch + 1, {"epoch": self.epoch + 1, "event": "finish"})
+
+
+def format_event(event: dict) -> str:
+    """The log line of a reconfiguration (tools/plot_run.py reads it)."""
+    return " elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items())
 
 
 def distopt_of(cfg, layout: Layout):
