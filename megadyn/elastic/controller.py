@@ -23,6 +23,7 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.elastic.control import NONE, ControlChannel
 from megadyn.elastic.executor import execute_plan
+from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import plan_reshard
 from megadyn.elastic.requests import resolve_request
 
@@ -76,6 +77,7 @@ class ElasticController:
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.events: list[dict] = []
+        self.cost = CostModel()  # the layout planner's, calibrated on measured step times
 
     # --- members: called after every training step ------------------------------------------
     def step_hook(self, trainer) -> None:
@@ -111,8 +113,16 @@ class ElasticController:
         self.channel.mark_handled(rid)
         groups = trainer.groups
         try:
+            if trainer.step_seconds:  # calibrate the cost model on this layout's step time
+                t = self.cfg.training
+                self.cost.calibrate(
+                    trainer.model_cfg,
+                    t.global_batch_size,
+                    self.cfg.data.seq_length,
+                    [(groups.layout, t.micro_batch_size, t.recompute, trainer.step_seconds)],
+                )
             layout, members, release = resolve_request(
-                request, trainer.model_cfg, self.cfg, groups, self.live
+                request, trainer.model_cfg, self.cfg, groups, self.live, cost=self.cost
             )
         except (LayoutError, ValueError) as e:
             self.channel.answer(rid, {"status": "refused", "reason": str(e)})

@@ -135,10 +135,13 @@ class LayoutPlanner:
         gpu_memory_gib: float,
         distributed_optimizer: bool = True,
         cost: CostModel | None = None,
+        micro_batch_sizes: tuple[int, ...] = (1, 2, 4),
+        recomputes: tuple[RecomputeConfig, ...] | None = None,
     ):
         self.cfg, self.gbs, self.seq = cfg, global_batch_size, seq_length
         self.gpu_memory_gib, self.distopt = gpu_memory_gib, distributed_optimizer
         self.cost = cost or CostModel()
+        self.micro_batch_sizes, self.recomputes = micro_batch_sizes, recomputes
 
     def candidates(self, num_members: int):
         cfg = self.cfg
@@ -148,7 +151,7 @@ class LayoutPlanner:
                 for vpp in (1, 2) if pp > 1 else (1,):
                     for sp in (False, True) if tp > 1 else (False,):
                         layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, sequence_parallel=sp)
-                        for mbs in (1, 2, 4):
+                        for mbs in self.micro_batch_sizes:
                             try:
                                 layout.validate(
                                     num_layers=cfg.num_layers,
@@ -162,7 +165,7 @@ class LayoutPlanner:
                                 continue
                             if vpp > 1 and (self.gbs // (mbs * dp)) % pp:
                                 continue
-                            for rc in (
+                            for rc in self.recomputes or (
                                 RecomputeConfig(),
                                 RecomputeConfig("selective"),
                                 RecomputeConfig("full", "uniform", 1),

@@ -23,7 +23,7 @@ def _gpu_memory_gib(device_type: str) -> float | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
 
 
-def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int]):
+def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost=None):
     """(new layout, new members, released ranks) for `request`; raises LayoutError to refuse."""
     members = list(groups.grid.members)
     standby = [r for r in live if r not in members]
@@ -49,6 +49,9 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int]):
                 global_batch_size=t.global_batch_size,
                 seq_length=cfg.data.seq_length,
                 gpu_memory_gib=gpu,
+                cost=cost,
+                micro_batch_sizes=(t.micro_batch_size,),  # the running job's; layout only
+                recomputes=(t.recompute,),
             ).choose(n)
             layout = choice.layout
     else:

@@ -57,6 +57,12 @@ class GPTConfig:
     """Standard deviation of the normal initialization (--init-method-std)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype of model weights: float32, bfloat16 (--bf16) or float16 (--fp16)."""
+    gradient_accumulation_fusion: bool = True
+    """Weight-gradient GEMMs of bf16/fp16 layers accumulate into the fp32 DDP `main_grad`
+    directly (no bf16 gradient, no separate add); fp32 models are unaffected."""
+    fused_loss: bool | None = None
+    """`torch.compile` the vocab-parallel cross entropy's elementwise stages; None: when the
+    logits are on a GPU (the math is the same; eager on the CPU)."""
     apply_query_key_layer_scaling: bool = False
     """Unused by megadyn (scaled_dot_product_attention scales by 1/sqrt(d)); kept for flag parity."""
 

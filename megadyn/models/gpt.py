@@ -132,6 +132,7 @@ class GPTModel(nn.Module):
                 sequence_parallel=sequence_parallel,
                 local_output_size=vocab_end - self.vocab_start,
                 skip_weight=tied,
+                grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
                 dtype=dtype,
                 device=device,
             )
@@ -178,7 +179,10 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, weight)  # [s, b, V/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_start, self.tp_group)
+        fused = self.cfg.fused_loss if self.cfg.fused_loss is not None else logits.is_cuda
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.vocab_start, self.tp_group, fused=fused
+        )
         return loss.t()  # [b, s]
 
 

@@ -76,6 +76,7 @@ class SelfAttention(nn.Module):
         kw = dict(
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
+            grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
             dtype=dtype,
             device=device,
         )
@@ -121,6 +122,7 @@ class MLP(nn.Module):
         kw = dict(
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
+            grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
             dtype=dtype,
             device=device,
         )

@@ -85,6 +85,7 @@ class Trainer:
         self.train_iters = cfg.training.train_iters
         self.step_hook = step_hook
         self.loss_by_iteration: dict[int, float] = {}
+        self.step_seconds: float | None = None  # measured at the last log line
         self.samples_drawn: list[int] = []  # global sample indices (tp 0, first stage ranks)
         self.wandb = create_wandb_logger(cfg, dist.get_rank(), dist.get_world_size())
         self.build(groups, init_weights=init_weights)
@@ -268,6 +269,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         values = [w.item() for _, w in window]
+        self.step_seconds = seconds / iters
         self.loss_by_iteration.update((i, v) for (i, _), v in zip(window, values))
         if not self.logs:
             return values

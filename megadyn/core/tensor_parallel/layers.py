@@ -8,6 +8,12 @@ and optimizer code read:
     param.tensor_model_parallel   sharded over tp (else replicated over tp)
     param.partition_dim           dimension of the shard, -1 when replicated
     param.sequence_parallel       replicated param whose grad is summed over tp under SP
+
+Gradient accumulation fusion (`grad_accumulation_fusion`, on by default): when a layer's own
+weight has a DDP `main_grad` of a wider dtype (bf16 weights, fp32 gradient buffer), the weight
+gradient GEMM accumulates straight into `main_grad` in fp32 (cuBLAS with beta = 1 and an fp32
+output), instead of writing a bf16 gradient that the DDP hook then reads and adds. fp32 models
+and modules without DDP take plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,65 @@ from megadyn.core.tensor_parallel.mappings import (
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
+
+
+_FUSED_WGRAD_OK: bool | None = None  # does addmm(out_dtype=fp32, out=main_grad) work here?
+
+
+def _fused_wgrad_works(device) -> bool:
+    """Check once, on a small problem, that cuBLAS accumulates bf16 x bf16 into fp32 in place."""
+    global _FUSED_WGRAD_OK
+    if _FUSED_WGRAD_OK is None:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
+            b = torch.randn(96, 80, device=device, generator=gen).to(torch.bfloat16)
+            c = torch.randn(64, 80, device=device, generator=gen)
+            ref = c + a.float() @ b.float()
+            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            _FUSED_WGRAD_OK = bool(torch.allclose(c, ref, rtol=1e-4, atol=1e-3))
+        except (RuntimeError, TypeError):
+            _FUSED_WGRAD_OK = False
+    return _FUSED_WGRAD_OK
+
+
+class _LinearAccumulateMainGrad(torch.autograd.Function):
+    """y = x W^T + b whose weight gradient is added to `W.main_grad` inside the GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        grad_x = g.matmul(weight)  # [..., in]
+        g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
+        x2d = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        main_grad = weight.main_grad  # [out, in]
+        if _fused_wgrad_works(g.device):
+            torch.addmm(main_grad, g2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
+        else:
+            main_grad.add_(g2d.t().mm(x2d))
+        weight.grad_added_to_main_grad = True
+        # autograd still needs a gradient for the DDP hook to fire; it is dropped unread
+        grad_w = torch.empty_like(weight)
+        grad_b = g2d.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def _linear(x, weight, bias, fuse: bool):
+    main_grad = getattr(weight, "main_grad", None) if fuse else None
+    if (
+        main_grad is not None
+        and main_grad.dtype != weight.dtype
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+    ):
+        return _LinearAccumulateMainGrad.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def mark_param(param: nn.Parameter, partition_dim: int = -1, sequence_parallel: bool = False):
@@ -62,11 +127,13 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         local_output_size: int | None = None,
         skip_weight: bool = False,
+        grad_accumulation_fusion: bool = True,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
+        self.grad_accumulation_fusion = grad_accumulation_fusion
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp = group_size(tp_group)
@@ -77,12 +144,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = mark_param(_empty((local,), dtype, device), 0) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        own_weight = weight is None  # a passed (tied) weight has another user: no fusion
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.tp_group)  # [s, b, in]
         else:
             x = copy_to_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)  # [s, b, out/tp]
+        fuse = own_weight and self.grad_accumulation_fusion
+        y = _linear(x, weight, self.bias, fuse)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_region(y, self.tp_group)  # [s, b, out]
         return y
@@ -103,12 +172,14 @@ class RowParallelLinear(nn.Module):
         *,
         bias: bool = True,
         sequence_parallel: bool = False,
+        grad_accumulation_fusion: bool = True,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
+        self.grad_accumulation_fusion = grad_accumulation_fusion
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
         self.bias = (
@@ -118,7 +189,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # partial sums [s, b, out]
+        y = _linear(x, self.weight, None, self.grad_accumulation_fusion)  # partial sums [s, b, out]
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]
         else:
