@@ -161,3 +161,18 @@ def dropout_body(rank, world):
 
 def test_dropout_masks_follow_tracker_rules():
     spawn(dropout_body, world=2)
+
+
+def vocab_body(rank, world):
+    groups = ParallelGroups.build(Layout(tp=2), range(world))
+    cfg = VARIANTS["gpt2"].with_(make_vocab_size_divisible_by=128)  # 100 rows padded to 256
+    try:
+        GPTModel(cfg, tp_group=groups.tp_group)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_vocabulary_that_does_not_fit_tp_is_refused():
+    messages = spawn(vocab_body, world=2)
+    assert messages[1] is not None and "--tensor-model-parallel-size" in messages[1]
