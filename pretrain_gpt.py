@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-import os
+import shutil
 import sys
 
 import torch.distributed as dist
@@ -50,15 +50,10 @@ def main(argv: list[str] | None = None):
             flush=True,
         )
     trainer = Trainer(cfg, groups, device)
-    load = cfg.checkpoint.load
-    if load and (os.path.isdir(load)):
-        from megadyn.training.checkpoint import latest_checkpoint
-
-        if latest_checkpoint(load) or os.path.isfile(os.path.join(load, ".metadata")):
-            trainer.load(load)
-        elif dist.get_rank() == 0:
-            print(f" --load {load}: no checkpoint found, training from scratch", flush=True)
+    trainer.resume()
     history = trainer.train()
+    if cfg.parallel.elastic_snapshot_interval and dist.get_rank() == 0:
+        shutil.rmtree(cfg.parallel.elastic_snapshot_dir, ignore_errors=True)  # the run is done
     groups.destroy()
     dist.destroy_process_group()
     return history

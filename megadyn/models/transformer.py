@@ -77,6 +77,7 @@ class SelfAttention(nn.Module):
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
+            tp_comm_overlap=cfg.tp_comm_overlap,
             dtype=dtype,
             device=device,
         )
@@ -123,6 +124,7 @@ class MLP(nn.Module):
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
+            tp_comm_overlap=cfg.tp_comm_overlap,
             dtype=dtype,
             device=device,
         )

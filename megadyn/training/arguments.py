@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     par("--elastic-min-members", type=int)
     par("--elastic-layout", choices=["auto", "pinned"])
     par("--elastic-snapshot-interval", type=int)
+    par("--elastic-snapshot-dir")
     par("--elastic-control-interval", type=int)
     par("--elastic-reshard-chunk-mb", type=int)
     par("--elastic-control-port", type=int)
@@ -229,6 +232,10 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
         if values[key] is None:
             raise ConfigError(f"{flag} is required")
     parallel = ParallelConfig(**_section(values, "parallel"))
+    if not parallel.elastic_snapshot_dir:  # host shared memory, named by torchrun's run id
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        parallel = dataclasses.replace(parallel, elastic_snapshot_dir=f"{shm}/megadyn-{run_id}")
     try:
         optimizer = OptimizerConfig(**_section(values, "optimizer"))
     except ValueError as err:

@@ -153,9 +153,7 @@ def _save(items, path, group) -> None:
         dcp.save(items, checkpoint_id=path, process_group=group)
 
 
-def load_checkpoint(
-    path, chunks, optimizer, groups, *, load_optim=True, load_rng=True
-) -> dict:
+def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rng=True) -> dict:
     """Load `path` (a checkpoint dir, or a root with a tracker) into this rank's model chunks
     and optimizer under the current layout; returns the saved `megadyn.json` dict."""
     if not _complete(path):

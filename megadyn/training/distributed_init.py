@@ -25,7 +25,20 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
         if "MASTER_ADDR" not in os.environ:  # a plain `python pretrain_gpt.py`: one process
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-        )
+        timeout = timedelta(seconds=timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:  # under torchrun: a key space of our own per restart, so that no key left by
+            # workers that died (their gloo addresses) is read by the restarted ones
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timeout,
+            )
+            store = dist.PrefixStore(f"megadyn/attempt_{restart}/", store)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world, timeout=timeout
+            )
     return device

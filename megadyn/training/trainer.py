@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,10 @@ from megadyn.training.wandb_logger import create_wandb_logger
 
 def lm_loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
     return masked_mean(per_token_loss, batch["loss_mask"])
+
+
+def _iteration(path: str) -> int:
+    return int(os.path.basename(path.rstrip("/")).split("_")[-1])
 
 
 @dataclass
@@ -254,6 +259,10 @@ class Trainer:
                 self.save()
             if t.exit_interval and it % t.exit_interval == 0:
                 break
+            self.finish_snapshot()
+            snap = self.cfg.parallel.elastic_snapshot_interval
+            if snap and it % snap == 0 and it < self.train_iters:
+                self.snapshot()
             if self.step_hook is not None:  # the elastic controller: may rebuild this trainer
                 self.step_hook(self)
         if self.cfg.checkpoint.save and (
@@ -347,10 +356,8 @@ class Trainer:
         return None
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def save(self) -> None:
-        self.finish_saves()
-        c = self.cfg.checkpoint
-        meta = {
+    def _meta(self) -> dict:
+        return {
             "state": dataclasses.asdict(self.state),
             "scheduler": self.scheduler.state_dict(),
             "optimizer_step": self.optimizer.step_count,
@@ -359,6 +366,11 @@ class Trainer:
             if getattr(self.optimizer, "grad_scaler", None)
             else None,
         }
+
+    def save(self) -> None:
+        self.finish_saves()
+        c = self.cfg.checkpoint
+        meta = self._meta()
         self._pending = ckpt.save_checkpoint(
             c.save,
             self.state.iteration,
@@ -373,6 +385,53 @@ class Trainer:
             self.print(
                 f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
             )
+
+    def snapshot(self) -> None:
+        """An in-memory snapshot (a DCP checkpoint in host shared memory, written by a
+        background thread); it becomes usable when `finish_snapshot` runs at the next step."""
+        self.finish_snapshot()
+        root = self.cfg.parallel.elastic_snapshot_dir
+        self._snapshot = ckpt.save_checkpoint(
+            root,
+            self.state.iteration,
+            self.chunks,
+            self.optimizer,
+            self.groups,
+            self._meta(),
+            keep_last=2,
+            async_save=True,
+        )
+
+    def finish_snapshot(self) -> None:
+        pending = getattr(self, "_snapshot", None)
+        if pending is not None:
+            pending.finish()
+        self._snapshot = None
+
+    def resume(self) -> None:
+        """Continue from the newest complete in-memory snapshot, else from --load (logged)."""
+        snap = (
+            ckpt.latest_checkpoint(self.cfg.parallel.elastic_snapshot_dir)
+            if self.cfg.parallel.elastic_snapshot_interval
+            else None
+        )
+        load = self.cfg.checkpoint.load
+        disk = ckpt.latest_checkpoint(load) if load and os.path.isdir(load) else None
+        if load and disk is None and os.path.isfile(os.path.join(load, ".metadata")):
+            disk = load
+        if snap is not None and (disk is None or _iteration(snap) >= _iteration(disk)):
+            if self.logs:
+                self.print(f" recovery: resuming from the in-memory snapshot {snap}", flush=True)
+            self.load(snap)
+        elif disk is not None:
+            if snap is None and self.cfg.parallel.elastic_snapshot_interval and self.logs:
+                self.print(
+                    f" recovery: no complete in-memory snapshot; falling back to the disk checkpoint {disk}",
+                    flush=True,
+                )
+            self.load(disk)
+        elif load and self.logs:
+            self.print(f" --load {load}: no checkpoint found, training from scratch", flush=True)
 
     def finish_saves(self) -> None:
         pending = getattr(self, "_pending", None)

@@ -22,7 +22,7 @@ FLAGS = [
     "--bf16", "--ckpt-keep-last", "--clip-grad", "--data-cache-path", "--data-path",
     "--disable-bias-linear", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--elastic-layout", "--elastic-min-members", "--elastic-reshard-chunk-mb",
-    "--elastic-snapshot-interval", "--end-weight-decay", "--eval-interval", "--eval-iters",
+    "--elastic-snapshot-dir", "--elastic-snapshot-interval", "--end-weight-decay", "--eval-interval", "--eval-iters",
     "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",
     "--group-query-attention", "--help", "--hidden-dropout", "--hidden-size", "--hysteresis",
     "--init-method-std", "--initial-loss-scale", "--load", "--log-interval", "--log-num-zeros-in-grad", "--log-throughput",

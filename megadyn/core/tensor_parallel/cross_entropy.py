@@ -39,8 +39,11 @@ def _grad_logits(logits, logits_max, sum_exp, local_target, outside, grad_loss):
     """(softmax - onehot(target)) * grad_loss, in the logits' dtype."""
     grad = logits.to(torch.float32, copy=True).sub_(logits_max.unsqueeze(-1))  # [s, b, V/tp]
     grad.exp_().div_(sum_exp.unsqueeze(-1))
-    hit = (~outside).to(grad.dtype)
-    grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+    # minus the one-hot target as an elementwise compare (a scatter would make the compiled
+    # kernel materialize an fp32 [s, b, V/tp] buffer); x - 1 and x - 0 round as x + (-1), x + 0
+    vocab = torch.arange(grad.shape[-1], device=grad.device)  # [V/tp]
+    onehot = (vocab == local_target.unsqueeze(-1)) & ~outside.unsqueeze(-1)  # [s, b, V/tp]
+    grad.sub_(onehot.to(grad.dtype))
     return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 

@@ -9,11 +9,10 @@ and optimizer code read:
     param.partition_dim           dimension of the shard, -1 when replicated
     param.sequence_parallel       replicated param whose grad is summed over tp under SP
 
-Gradient accumulation fusion (`grad_accumulation_fusion`, on by default): when a layer's own
-weight has a DDP `main_grad` of a wider dtype (bf16 weights, fp32 gradient buffer), the weight
-gradient GEMM accumulates straight into `main_grad` in fp32 (cuBLAS with beta = 1 and an fp32
-output), instead of writing a bf16 gradient that the DDP hook then reads and adds. fp32 models
-and modules without DDP take plain `F.linear`.
+Gradient accumulation fusion (`grad_accumulation_fusion`, on by default; wgrad.py): a bf16
+layer's own weight gradient is added into its fp32 DDP `main_grad` inside the GEMM. fp32
+models and modules without DDP take plain `F.linear`. Under sequence parallelism,
+`tp_comm_overlap` routes the layers through overlap.py.
 """
 
 from __future__ import annotations
@@ -31,26 +30,11 @@ from megadyn.core.tensor_parallel.mappings import (
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
-
-
-_FUSED_WGRAD_OK: bool | None = None  # does addmm(out_dtype=fp32, out=main_grad) work here?
-
-
-def _fused_wgrad_works(device) -> bool:
-    """Check once, on a small problem, that cuBLAS accumulates bf16 x bf16 into fp32 in place."""
-    global _FUSED_WGRAD_OK
-    if _FUSED_WGRAD_OK is None:
-        try:
-            gen = torch.Generator(device=device).manual_seed(0)
-            a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
-            b = torch.randn(96, 80, device=device, generator=gen).to(torch.bfloat16)
-            c = torch.randn(64, 80, device=device, generator=gen)
-            ref = c + a.float() @ b.float()
-            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-            _FUSED_WGRAD_OK = bool(torch.allclose(c, ref, rtol=1e-4, atol=1e-3))
-        except (RuntimeError, TypeError):
-            _FUSED_WGRAD_OK = False
-    return _FUSED_WGRAD_OK
+from megadyn.core.tensor_parallel.overlap import (
+    column_sequence_parallel_linear,
+    row_sequence_parallel_linear,
+)
+from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
 class _LinearAccumulateMainGrad(torch.autograd.Function):
@@ -67,27 +51,13 @@ class _LinearAccumulateMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = g.matmul(weight)  # [..., in]
         g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
-        x2d = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        main_grad = weight.main_grad  # [out, in]
-        if _fused_wgrad_works(g.device):
-            torch.addmm(main_grad, g2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
-        else:
-            main_grad.add_(g2d.t().mm(x2d))
-        weight.grad_added_to_main_grad = True
-        # autograd still needs a gradient for the DDP hook to fire; it is dropped unread
-        grad_w = torch.empty_like(weight)
+        grad_w = weight_grad(weight, g2d, x.reshape(-1, x.shape[-1]), fuse=True)
         grad_b = g2d.sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b
 
 
 def _linear(x, weight, bias, fuse: bool):
-    main_grad = getattr(weight, "main_grad", None) if fuse else None
-    if (
-        main_grad is not None
-        and main_grad.dtype != weight.dtype
-        and weight.requires_grad
-        and torch.is_grad_enabled()
-    ):
+    if fuse_wgrad(weight, fuse):
         return _LinearAccumulateMainGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -128,12 +98,14 @@ class ColumnParallelLinear(nn.Module):
         local_output_size: int | None = None,
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
+        tp_comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.grad_accumulation_fusion = grad_accumulation_fusion
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel and group_size(tp_group) > 1
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp = group_size(tp_group)
@@ -146,11 +118,18 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         own_weight = weight is None  # a passed (tied) weight has another user: no fusion
         weight = self.weight if weight is None else weight
+        fuse = own_weight and self.grad_accumulation_fusion
+        if self.tp_comm_overlap and torch.is_grad_enabled():
+            y = column_sequence_parallel_linear(  # [s, b, out/tp]
+                x, weight, self.bias, self.tp_group, fuse_wgrad(weight, fuse)
+            )
+            if self.gather_output:
+                y = gather_from_region(y, self.tp_group)  # [s, b, out]
+            return y
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.tp_group)  # [s, b, in]
         else:
             x = copy_to_region(x, self.tp_group)
-        fuse = own_weight and self.grad_accumulation_fusion
         y = _linear(x, weight, self.bias, fuse)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_region(y, self.tp_group)  # [s, b, out]
@@ -173,6 +152,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
+        tp_comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -180,6 +160,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.grad_accumulation_fusion = grad_accumulation_fusion
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel and group_size(tp_group) > 1
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
         self.bias = (
@@ -189,6 +170,10 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_comm_overlap and torch.is_grad_enabled():
+            fuse = fuse_wgrad(self.weight, self.grad_accumulation_fusion)
+            y = row_sequence_parallel_linear(x, self.weight, self.tp_group, fuse)  # [s/tp, b, out]
+            return y + self.bias if self.bias is not None else y
         y = _linear(x, self.weight, None, self.grad_accumulation_fusion)  # partial sums [s, b, out]
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]
