@@ -36,7 +36,7 @@ def workers_of(pid: int) -> list[int]:
     return kids
 
 
-def test_kill_one_worker_recovers_from_snapshot(tmp_path):
+def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     iters, interval = 40, 4
     reference = spawn(plain_run, world=1, args=(args(iters),))[0]
     cmd = [
@@ -48,7 +48,7 @@ def test_kill_one_worker_recovers_from_snapshot(tmp_path):
         "--nproc-per-node",
         "4",
         "--max-restarts",
-        "1",
+        "2",
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -70,35 +70,64 @@ def test_kill_one_worker_recovers_from_snapshot(tmp_path):
     job = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    log, killed_at, seen, recovered_at = [], None, 0, None
-    deadline = time.monotonic() + 240
+    log, kills, seen, starts = [], [], 0, 0
+    deadline = time.monotonic() + 300
     for line in job.stdout:
         log.append(line)
+        starts += " megadyn: 4 processes" in line
         m = LINE.search(line)
         if m:
             seen = int(m.group(1))
-            if killed_at is not None and recovered_at is None and "resuming" in "".join(log[-50:]):
-                recovered_at = time.monotonic()
-        if killed_at is None and seen >= 10:
-            victim = sorted(workers_of(job.pid))[1]
-            os.kill(victim, signal.SIGKILL)
-            killed_at, last_before = time.monotonic(), seen
+            if kills and len(kills[-1]) == 2 and starts > len(kills):  # first step after a restart
+                kills[-1].append(time.monotonic())
+        # kill a worker after iteration 10, and again once the restarted job passed iteration 20
+        if len(kills) < 2 and seen >= (10 if not kills else 20) and starts == len(kills) + 1:
+            os.kill(sorted(workers_of(job.pid))[1 + len(kills)], signal.SIGKILL)
+            kills.append([seen, time.monotonic()])
         if time.monotonic() > deadline:
             job.kill()
             break
     assert job.wait(timeout=60) == 0, "".join(log[-40:])
     text = "".join(log)
-    m = re.search(r"recovery: resuming from the in-memory snapshot .*iter_(\d+)", text)
-    assert m, text[-3000:]
-    resumed = int(m.group(1))
-    assert last_before - resumed <= interval + 1  # the lost work is at most a snapshot interval
+    resumed = [
+        int(x)
+        for x in re.findall(r"recovery: resuming from the in-memory snapshot .*iter_(\d+)", text)
+    ]
+    assert len(resumed) == 2 and len(kills) == 2, text[-3000:]
+    for (last_before, *_), snap in zip(kills, resumed):
+        assert last_before - snap <= interval + 1  # the lost work is at most a snapshot interval
     losses = {}
     for it, loss in LINE.findall(text):
-        losses[int(it)] = float(loss)  # after recovery the re-run steps overwrite the first ones
+        losses[int(it)] = float(loss)  # the steps run again after a restart overwrite the first
     assert sorted(losses) == list(range(1, iters + 1))
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
-    print(
-        f"recovery: killed after iteration {last_before}, resumed from snapshot {resumed}, "
-        f"kill to next completed step {recovered_at - killed_at:.1f} s"
-    )
+    for (last_before, killed, back), snap in zip(kills, resumed):
+        print(
+            f"recovery: killed after iteration {last_before}, resumed from snapshot {snap}, "
+            f"kill to next completed step {back - killed:.1f} s"
+        )
+
+
+def test_without_a_snapshot_the_disk_checkpoint_is_used_and_said(tmp_path, capfd):
+    save = str(tmp_path / "ckpt")
+    spawn(plain_run, world=1, args=(args(6) + ["--save", save, "--save-interval", "3"],))
+    capfd.readouterr()
+    resumed = spawn(
+        plain_run,
+        world=1,
+        args=(
+            args(6)
+            + [
+                "--load",
+                save,
+                "--elastic-snapshot-interval",
+                "2",
+                "--elastic-snapshot-dir",
+                str(tmp_path / "none"),
+            ],
+        ),
+    )[0]
+    out = capfd.readouterr().out
+    assert "no complete in-memory snapshot; falling back to the disk checkpoint" in out
+    assert resumed == []  # the disk checkpoint was at the end: nothing left to train
