@@ -53,7 +53,47 @@ def parse() -> argparse.Namespace:
     # megadyn-only switches
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument(
+        "--no-grad-accumulation-fusion",
+        action="store_true",
+        help="weight gradients through param.grad and the DDP hook's add",
+    )
+    p.add_argument(
+        "--tp-comm-overlap", action="store_true", help="overlap SP collectives with GEMMs"
+    )
+    p.add_argument(
+        "--fused-loss",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the cross entropy's elementwise stages (auto: on a GPU)",
+    )
+    p.add_argument(
+        "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
+    )
     return p.parse_args()
+
+
+def profile(a, step, sync) -> None:
+    """Two profiled iterations; rank 0 writes a kernel summary (and rank 0's trace) under
+    `a.profile`."""
+    import os
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with torch_profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        sync()
+    if dist.get_rank() == 0:
+        os.makedirs(a.profile, exist_ok=True)
+        name = f"tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}"
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
+            f.write(table)
+        print(table[:6000], flush=True)
 
 
 def main() -> None:
@@ -71,6 +111,9 @@ def main() -> None:
         max_position_embeddings=a.seq,
         untie_embeddings_and_output_weights=True,
         params_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
+        tp_comm_overlap=a.tp_comm_overlap,
+        fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
     )
     recompute = dict(
         none=RecomputeConfig(),
@@ -117,10 +160,8 @@ def main() -> None:
             torch.cuda.synchronize(device)
 
     data = batches()
-    times = []
-    for i in range(a.warmup + a.iters):
-        sync()
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad()
         forward_backward(
             ddp,
@@ -133,9 +174,17 @@ def main() -> None:
         )
         finalize_model_grads(ddp, groups)
         opt.step()
+
+    times = []
+    for i in range(a.warmup + a.iters):
+        sync()
+        t0 = time.perf_counter()
+        step()
         sync()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
+    if a.profile:
+        profile(a, step, sync)
     times.sort()
     med = times[len(times) // 2]
     s, n_layers, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs

@@ -64,7 +64,7 @@ def default_job_argv(
         "--global-batch-size",
         str(micro * dp * 4),
         "--train-iters",
-        "300" if on_gpu else "120",
+        "300" if on_gpu else "200",
         "--lr",
         "1e-3",
         "--min-lr",
@@ -92,7 +92,7 @@ def default_job_argv(
         "--log-interval",
         "10",
         "--eval-interval",
-        "60",
+        "100",
         "--eval-iters",
         "2",
         "--num-workers",
@@ -102,7 +102,7 @@ def default_job_argv(
         "--save",
         os.path.join(run_dir, "checkpoints"),
         "--save-interval",
-        "60",
+        "100",
     ]
     if on_gpu:
         argv += ["--bf16", "--use-distributed-optimizer"]

@@ -2,9 +2,11 @@
 # On a GPU machine: megadyn's benchmark and Megatron-Core's reference benchmark on the reference
 # rows of shared/bench/README.md, in one command, then a table of ratios (tools/bench_table.py).
 # Usage: bash scripts/gpu/bench_compare.sh OUTDIR [ITERS]   (needs .whl/ and .bench/, see BENCHMARKS.md)
+# ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run.
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 ROWS=(  # name nproc args
   "tp1|1|--tp 1"
   "tp2|2|--tp 2"
@@ -16,14 +18,18 @@ ROWS=(  # name nproc args
 : > "$OUT/results.jsonl"
 for row in "${ROWS[@]}"; do
   IFS='|' read -r name n args <<< "$row"
+  [[ " $ONLY " == *" $name "* ]] || continue
   for fw in mcore megadyn; do
-    script=.bench/mcore_gpt_bench.py; [ $fw = megadyn ] && script=tools/bench_gpt.py
-    torchrun --standalone --nproc-per-node "$n" $script $args --iters "$ITERS" --warmup 3 \
+    script=.bench/mcore_gpt_bench.py; extra=""
+    [ $fw = megadyn ] && script=tools/bench_gpt.py && extra=$MEGADYN_ARGS
+    torchrun --standalone --nproc-per-node "$n" $script $args $extra --iters "$ITERS" --warmup 3 \
       > "$OUT/${fw}_${name}.log" 2>&1 || tail -5 "$OUT/${fw}_${name}.log"
     grep '^{' "$OUT/${fw}_${name}.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
   done
 done
-torchrun --standalone --nproc-per-node 2 tools/bench_gpt.py --tp 2 --sp --iters "$ITERS" --warmup 3 \
-  > "$OUT/megadyn_tp2_sp.log" 2>&1 || tail -5 "$OUT/megadyn_tp2_sp.log"
-grep '^{' "$OUT/megadyn_tp2_sp.log" | sed 's/^{/{"row": "tp2_sp", /' >> "$OUT/results.jsonl"
+if [[ " $ONLY " == *" tp2_sp "* ]]; then
+  torchrun --standalone --nproc-per-node 2 tools/bench_gpt.py --tp 2 --sp $MEGADYN_ARGS \
+    --iters "$ITERS" --warmup 3 > "$OUT/megadyn_tp2_sp.log" 2>&1 || tail -5 "$OUT/megadyn_tp2_sp.log"
+  grep '^{' "$OUT/megadyn_tp2_sp.log" | sed 's/^{/{"row": "tp2_sp", /' >> "$OUT/results.jsonl"
+fi
 python3 tools/bench_table.py "$OUT/results.jsonl"
