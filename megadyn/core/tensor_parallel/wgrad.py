@@ -9,26 +9,25 @@ DDP hook still fires (and skips its add). Used by layers.py and overlap.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_FUSED_WGRAD_OK: bool | None = None  # does addmm(out_dtype=fp32, out=main_grad) work here?
 
-
-def _fused_wgrad_works(device) -> bool:
-    """Check once, on a small problem, that cuBLAS accumulates bf16 x bf16 into fp32 in place."""
-    global _FUSED_WGRAD_OK
-    if _FUSED_WGRAD_OK is None:
-        try:
-            gen = torch.Generator(device=device).manual_seed(0)
-            a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
-            b = torch.randn(96, 80, device=device, generator=gen).to(torch.bfloat16)
-            c = torch.randn(64, 80, device=device, generator=gen)
-            ref = c + a.float() @ b.float()
-            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-            _FUSED_WGRAD_OK = bool(torch.allclose(c, ref, rtol=1e-4, atol=1e-3))
-        except (RuntimeError, TypeError):
-            _FUSED_WGRAD_OK = False
-    return _FUSED_WGRAD_OK
+@functools.lru_cache(maxsize=None)
+def _fused_wgrad_works(device: torch.device) -> bool:
+    """Check once per device, on a small problem, that cuBLAS accumulates bf16 x bf16 into fp32
+    in place (a capability probe of this machine, cached; no training state)."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(64, 96, device=device, generator=gen).to(torch.bfloat16)
+        b = torch.randn(96, 80, device=device, generator=gen).to(torch.bfloat16)
+        c = torch.randn(64, 80, device=device, generator=gen)
+        ref = c + a.float() @ b.float()
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+        return bool(torch.allclose(c, ref, rtol=1e-4, atol=1e-3))
+    except (RuntimeError, TypeError):
+        return False
 
 
 def fuse_wgrad(weight, fuse: bool) -> bool:
