@@ -14,6 +14,7 @@ reshard plan and executor, straight from process to process, without a disk chec
 from __future__ import annotations
 
 import dataclasses
+import io
 import time
 
 import torch
@@ -151,6 +152,8 @@ class ElasticController:
         if rec.get("event") == "finish":
             return None
         t0 = time.perf_counter()
+        if trainer is not None:
+            self._publish_rng(trainer)  # first: planning may build modules that draw random numbers
         old_layout, new_layout = Layout(**rec["old_layout"]), Layout(**rec["layout"])
         old_members, new_members = rec["old_members"], rec["members"]
         span = sorted(set(old_members) | set(new_members))
@@ -242,7 +245,32 @@ class ElasticController:
             trainer.state = state
             trainer.build(groups, init_weights=False)
         trainer.adopt_state(new_state, rec["optimizer_step"])
+        self._restore_rng(trainer, Layout(**rec["old_layout"]))
         return trainer
+
+    # --- RNG streams: the default stream depends on the pipeline rank, the tracker's on the
+    # tensor and pipeline rank; a new rank takes the streams of the old rank with its (pp, tp)
+    # coordinates, and keeps freshly seeded ones when the old layout had no such rank
+    def _rng_key(self, pp_rank: int, tp_rank: int) -> str:
+        return f"rng/{self.epoch}/pp{pp_rank}/tp{tp_rank}"
+
+    def _publish_rng(self, trainer) -> None:
+        g = trainer.groups
+        if self.channel is None or g.dp_rank != 0:
+            return
+        buf = io.BytesIO()
+        torch.save(rng_states(trainer), buf)
+        self.channel.store.set(self._rng_key(g.pp_rank, g.tp_rank), buf.getvalue())
+
+    def _restore_rng(self, trainer, old_layout: Layout) -> None:
+        g = trainer.groups
+        if self.channel is None or g.pp_rank >= old_layout.pp or g.tp_rank >= old_layout.tp:
+            return
+        states = torch.load(io.BytesIO(self.channel.store.get(self._rng_key(g.pp_rank, g.tp_rank))))
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states and self.device.type == "cuda":
+            torch.cuda.set_rng_state(states["cuda"], self.device)
+        trainer.tracker.set_states(states["tracker"])
 
     # --- standby processes -------------------------------------------------------------------
     def standby(self):
@@ -266,6 +294,13 @@ class ElasticController:
         """The job is done: tell standby processes to exit."""
         if trainer is not None and dist.get_rank() == trainer.groups.grid.members[0]:
             self.channel.publish_epoch(self.epoch + 1, {"epoch": self.epoch + 1, "event": "finish"})
+
+
+def rng_states(trainer) -> dict:
+    states = {"cpu": torch.get_rng_state(), "tracker": trainer.tracker.get_states()}
+    if trainer.device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(trainer.device)
+    return states
 
 
 def format_event(event: dict) -> str:

@@ -105,7 +105,8 @@ def _registration_order(cfg: GPTConfig) -> dict[str, int]:
         make_vocab_size_divisible_by=1,
         max_position_embeddings=1,
     )
-    model = GPTModel(tiny, layer_range=range(1))
+    with torch.random.fork_rng(devices=[]):  # module constructors draw random numbers
+        model = GPTModel(tiny, layer_range=range(1))
     return {name: i for i, (name, _) in enumerate(model.named_parameters())}
 
 

@@ -127,7 +127,10 @@ def operator_tool(rank, world, argv, port):
     result = {}
 
     def drive():  # started before the job: the tool waits for the control store to come up
-        for name, cmd in (("bad", ["layout", "--tp", "8", "--pp", "1"]), ("good", ["scale", "2", "--release"])):
+        for name, cmd in (
+            ("bad", ["layout", "--tp", "8", "--pp", "1"]),
+            ("good", ["scale", "2", "--release"]),
+        ):
             result[name] = subprocess.run(base + cmd, capture_output=True, text=True)
 
     t = threading.Thread(target=drive, daemon=True)
@@ -146,7 +149,9 @@ def test_operator_tool_refuses_bad_request_and_releases_processes():
     argv = args + ["--elastic-control-port", str(port), "--elastic-layout", "pinned"]
     results = spawn(operator_tool, world=4, args=(argv, port), timeout_s=120)
     (bad_rc, bad_out), (good_rc, good_out) = results[0]["tool"]["bad"], results[0]["tool"]["good"]
-    assert bad_rc == 2 and "refused" in bad_out and "--tensor-model-parallel-size" in bad_out, bad_out
+    assert bad_rc == 2 and "refused" in bad_out and "--tensor-model-parallel-size" in bad_out, (
+        bad_out
+    )
     assert good_rc == 0 and '"new": "tp1xpp1xdp2"' in good_out, good_out
     losses = {}
     for r in results:
@@ -155,3 +160,25 @@ def test_operator_tool_refuses_bad_request_and_releases_processes():
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
     drawn = Counter(s for r in results for s in r["samples"])
     assert sorted(drawn) == list(range(1600)) and set(drawn.values()) == {1}
+
+
+def test_rng_streams_move_with_the_state():
+    # with dropout on, a reconfiguration that keeps every rank's (pp, tp) coordinates continues the
+    # dropout streams exactly: losses equal an uninterrupted run (reseeding would repeat masks)
+    dropout = [a for a in ARGS]
+    dropout[dropout.index("--hidden-dropout") + 1] = "0.1"
+    dropout[dropout.index("--attention-dropout") + 1] = "0.1"
+    layout = ["--tensor-model-parallel-size", "2"]
+    reference = spawn(plain_run, world=2, args=(dropout + layout,))[1]
+    port = free_port()
+    argv = dropout + layout + ["--elastic-control-port", str(port)]
+    requests = [
+        {"action": "layout", "tp": 2, "pp": 1, "members": 2, "at_iteration": i} for i in (3, 6)
+    ]
+    results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
+    losses = {}
+    for r in results:
+        losses.update(r["losses"])
+    assert len(results[0]["events"]) == 2
+    for i, want in enumerate(reference, start=1):
+        assert abs(losses[i] - want) <= 1e-6 * abs(want), (i, losses[i], want)
