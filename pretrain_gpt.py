@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None):
         dist.destroy_process_group()
         sys.exit(2)
     if cfg.parallel.elastic:
-        from megadyn.elastic.runner import run_elastic
+        from megadyn.training.elastic_runner import run_elastic
 
         result = run_elastic(cfg, device)
         dist.destroy_process_group()

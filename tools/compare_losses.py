@@ -28,7 +28,9 @@ def main(paths: list[str]) -> None:
             print(f"{p:<40} no iterations in common")
             continue
         diff = max(abs(cur[i] - ref[i]) / abs(ref[i]) for i in common)
-        print(f"{p:<40} {len(common):>5} {cur[common[0]]:>9.4f} {cur[common[-1]]:>9.4f} {diff:>20.2e}")
+        print(
+            f"{p:<40} {len(common):>5} {cur[common[0]]:>9.4f} {cur[common[-1]]:>9.4f} {diff:>20.2e}"
+        )
 
 
 if __name__ == "__main__":

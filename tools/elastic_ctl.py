@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     lay.add_argument("--at-iteration", type=int, default=0)
     sc = sub.add_parser("scale", help="use N processes (layout from --elastic-layout)")
     sc.add_argument("members", type=int)
-    sc.add_argument("--release", action="store_true", help="processes left out exit instead of waiting")
+    sc.add_argument(
+        "--release", action="store_true", help="processes left out exit instead of waiting"
+    )
     sc.add_argument("--at-iteration", type=int, default=0)
     a = p.parse_args(argv)
 

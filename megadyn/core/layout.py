@@ -181,7 +181,6 @@ class RankGrid:
         if len(set(self.members)) != len(self.members):
             raise LayoutError(f"member ranks repeat: {list(self.members)}")
 
-
     def rank_of(self, coords: Coords) -> int:
         t, d = self.layout.tp, self.layout.dp
         return self.members[coords.tp + coords.dp * t + coords.pp * t * d]

@@ -20,9 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from megadyn.core.distributed import default_bucket_size
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.elastic.control import NONE, ControlChannel
+from megadyn.elastic.description import DistOpt
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import plan_reshard
@@ -71,10 +73,14 @@ class ElasticController:
         channel: ControlChannel | None,
         device,
         *,
+        make_trainer=None,
         print_fn=print,
     ):
+        """`make_trainer(groups, state: dict, step_hook)` builds the trainer of a standby process
+        that joins (weights uninitialized: they arrive through the reshard); the caller above
+        this package provides it (megadyn/training/elastic_runner.py)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
-        self.print = print_fn
+        self.make_trainer, self.print = make_trainer, print_fn
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.events: list[dict] = []
@@ -228,21 +234,11 @@ class ElasticController:
         return trainer
 
     def _rebuild(self, trainer, groups, new_state, rec):
-        from megadyn.training.trainer import Trainer, TrainState
-
-        state = TrainState(**rec["state"])
         if trainer is None:  # a standby process joins
-            trainer = Trainer(
-                self.cfg,
-                groups,
-                self.device,
-                state=state,
-                init_weights=False,
-                step_hook=self.step_hook,
-            )
+            trainer = self.make_trainer(groups, rec["state"], self.step_hook)
             trainer.scheduler.load_state_dict(rec["scheduler"], strict=False)
         else:
-            trainer.state = state
+            trainer.state = dataclasses.replace(trainer.state, **rec["state"])
             trainer.build(groups, init_weights=False)
         trainer.adopt_state(new_state, rec["optimizer_step"])
         self._restore_rng(trainer, Layout(**rec["old_layout"]))
@@ -309,12 +305,9 @@ def format_event(event: dict) -> str:
 
 
 def distopt_of(cfg, layout: Layout):
-    from megadyn.elastic.description import DistOpt
-    from megadyn.training.trainer import ddp_bucket_size
-
     if not cfg.optimizer.use_distributed_optimizer:
         return None
-    return DistOpt(bucket_size=ddp_bucket_size(cfg, layout.dp))
+    return DistOpt(bucket_size=default_bucket_size(cfg.parallel.overlap_grad_reduce, layout.dp))
 
 
 def _describe(layout: Layout) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.models.config import GPTConfig
+from megadyn.models.flops import model_flops_per_iteration
 from megadyn.models.sharding import param_specs
 
 GiB = 2**30
@@ -94,8 +95,6 @@ class CostModel:
         seq: int,
         recompute: RecomputeConfig,
     ) -> float:
-        from megadyn.training.metrics import model_flops_per_iteration
-
         flops = model_flops_per_iteration(cfg, gbs, seq, layout.tp)
         if recompute.granularity == "full":
             flops *= 4 / 3

@@ -30,21 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from megadyn.models.config import GPTConfig
+from megadyn.models.flops import model_flops_per_iteration  # noqa: F401 (re-exported)
 
 H100_BF16_PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100 SXM (and H200), in TFLOP/s."""
-
-
-def model_flops_per_iteration(cfg: GPTConfig, batch_size: int, seq_length: int, tp: int = 1) -> int:
-    """Forward + backward matmul FLOPs of one iteration of `batch_size` sequences (see above);
-    the vocabulary is padded as for `tp` tensor-parallel ranks."""
-    h, s, f = cfg.hidden_size, seq_length, cfg.ffn_size
-    kv = cfg.head_dim * cfg.query_groups  # width of K and of V
-    mlp_matrices = 3 if cfg.activation == "swiglu" else 2
-    per_token_layer = h * (h + 2 * kv) + 2 * s * h + h * h + mlp_matrices * h * f
-    per_token = cfg.num_layers * per_token_layer + h * cfg.padded_vocab_size(tp)
-    return 6 * batch_size * s * per_token
 
 
 def mfu(tflops_per_gpu: float, peak: float = H100_BF16_PEAK_TFLOPS) -> float:

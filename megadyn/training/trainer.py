@@ -20,7 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
+from megadyn.core.distributed import (
+    DistributedDataParallel,
+    default_bucket_size,
+    finalize_model_grads,
+)
 from megadyn.core.optimizer import build_optimizer
 from megadyn.core.pipeline import PipelineConfig, forward_backward
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
@@ -61,9 +65,7 @@ class TrainState:
 
 
 def ddp_bucket_size(cfg: MegadynConfig, dp: int) -> int | None:
-    """Gradient bucket size (elements): one bucket per chunk without overlap, else Megatron's
-    max(40M, 1M x dp). The reshard planner reads the same function to find optimizer shards."""
-    return max(40_000_000, 1_000_000 * dp) if cfg.parallel.overlap_grad_reduce else None
+    return default_bucket_size(cfg.parallel.overlap_grad_reduce, dp)
 
 
 class Trainer:

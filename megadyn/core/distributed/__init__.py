@@ -4,7 +4,10 @@
 calls after the last micro batch's backward, before `optimizer.step()`.
 """
 
-from megadyn.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megadyn.core.distributed.distributed_data_parallel import (
+    DistributedDataParallel,
+    default_bucket_size,
+)
 from megadyn.core.distributed.finalize_model_grads import (
     finalize_model_grads,
     tied_embedding_weight,
@@ -19,6 +22,7 @@ __all__ = [
     "Bucket",
     "DistributedDataParallel",
     "ParamAndGradBuffer",
+    "default_bucket_size",
     "finalize_model_grads",
     "plan_buckets",
     "tied_embedding_weight",

@@ -31,6 +31,13 @@ from megadyn.core.distributed.finalize_model_grads import tied_embedding_weight
 from megadyn.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 
 
+def default_bucket_size(overlap_grad_reduce: bool, dp_size: int) -> int | None:
+    """Gradient bucket size in elements: Megatron's max(40M, 1M x dp) when the reduction overlaps
+    the backward pass, else one bucket per buffer (None). The reshard planner reads the same
+    function to know which dp rank owns which optimizer elements."""
+    return max(40_000_000, 1_000_000 * dp_size) if overlap_grad_reduce else None
+
+
 class DistributedDataParallel(nn.Module):
     """Wraps one model chunk (virtual pipeline stage) for data-parallel training."""
 
@@ -57,8 +64,8 @@ class DistributedDataParallel(nn.Module):
         self.dp_size = dist.get_world_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
-        if bucket_size is None and overlap_grad_reduce:
-            bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
+        if bucket_size is None:
+            bucket_size = default_bucket_size(overlap_grad_reduce, self.dp_size)
         self.bucket_size = bucket_size
         self.is_last_microbatch = True
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megadyn.core.groups import ParallelGroups
 from megadyn.elastic.control import ControlChannel, connect
 from megadyn.elastic.controller import ElasticController, Released
+from megadyn.training.trainer import Trainer, TrainState
 
 
 def control_channel(cfg) -> ControlChannel:
@@ -26,10 +27,16 @@ def control_channel(cfg) -> ControlChannel:
 def run_elastic(cfg, device, *, print_fn=print) -> dict:
     """Train under the controller; returns this process's losses by iteration, the sample
     indices it drew and the reconfiguration events it took part in."""
-    from megadyn.training.trainer import Trainer
-
     world = dist.get_world_size()
-    controller = ElasticController(cfg, control_channel(cfg), device, print_fn=print_fn)
+
+    def make_trainer(groups, state: dict, step_hook):
+        return Trainer(
+            cfg, groups, device, state=TrainState(**state), init_weights=False, step_hook=step_hook
+        )
+
+    controller = ElasticController(
+        cfg, control_channel(cfg), device, make_trainer=make_trainer, print_fn=print_fn
+    )
     layout = cfg.layout(world)
     groups = ParallelGroups.build(layout, members=range(layout.world_size))
     trainer = (
