@@ -31,6 +31,7 @@ from megadyn.training.checkpoint_items import (
     OPTIM_KEYS,
     check_shapes,
     local_items,
+    local_value,
     rng_items,
     set_rng_items,
 )
@@ -194,8 +195,6 @@ def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
 
 @torch.no_grad()
 def _apply(items, chunks, optimizer, meta) -> None:
-    from megadyn.training.checkpoint_items import local_value
-
     if optimizer is not None:
         optimizer.step_count = meta.get("optimizer_step", 0)
         if meta.get("grad_scaler") and getattr(optimizer, "grad_scaler", None) is not None:

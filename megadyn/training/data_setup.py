@@ -1,7 +1,7 @@
 """From DataConfig to a tokenizer, datasets and this data-parallel rank's loaders.
 
 The loaders are cheap to rebuild: a reconfiguration that changes dp builds new ones at the same
-global cursor (`consumed_samples`), so no sample is lost or repeated.
+data cursor (`consumed_samples`, counted over all ranks), so no sample is lost or repeated.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How many micro batches make one optimizer step: Megatron's micro-batch calculator, made pure.
 
-Megatron keeps a global calculator object that is updated as samples are consumed. Here the
-global batch size is a function of the consumed samples only, and the number of micro batches a
+Megatron keeps a module-level calculator object that is updated as samples are consumed. Here
+the global batch size is a function of the consumed samples only, and the number of micro batches a
 function of (consumed samples, dp size), so the elastic controller can change dp between two
 steps and ask again:
 

@@ -93,7 +93,9 @@ class Trainer:
         self.step_hook = step_hook
         self.loss_by_iteration: dict[int, float] = {}
         self.step_seconds: float | None = None  # measured at the last log line
-        self.samples_drawn: list[int] = []  # global sample indices (tp 0, first stage ranks)
+        self.draws: list[
+            tuple[int, int, int, int]
+        ] = []  # (cursor, dp rank, dp size, micro batches)
         self.wandb = create_wandb_logger(cfg, dist.get_rank(), dist.get_world_size())
         self.build(groups, init_weights=init_weights)
 
@@ -171,6 +173,17 @@ class Trainer:
                         },
                     )
 
+    @property
+    def samples_drawn(self) -> list[int]:
+        """Global sample indices this rank's data-parallel replica read (tp 0, first stage)."""
+        mbs = self.cfg.training.micro_batch_size
+        return [
+            i
+            for consumed, dp_rank, dp_size, n in self.draws
+            for j in range(n)
+            for i in micro_batch_indices(consumed + j * mbs * dp_size, dp_rank, dp_size, mbs)
+        ]
+
     def release(self) -> None:
         """Drop the layout-dependent parts (this process leaves the layout)."""
         for d in self.ddp:
@@ -193,12 +206,8 @@ class Trainer:
         consumed = self.state.consumed_samples
         g = self.groups
         n = self.microbatches.num_micro_batches(consumed, g.dp_size)
-        if g.tp_rank == 0 and g.pp_rank == 0:
-            mbs = self.cfg.training.micro_batch_size
-            for j in range(n):
-                self.samples_drawn += micro_batch_indices(
-                    consumed + j * mbs * g.dp_size, g.dp_rank, g.dp_size, mbs
-                )
+        if g.tp_rank == 0 and g.pp_rank == 0:  # one small record per step, expanded on demand
+            self.draws.append((consumed, g.dp_rank, g.dp_size, n))
         self.optimizer.zero_grad()
         for d in self.ddp:
             d.zero_grad_buffer()

@@ -4,7 +4,7 @@ included) trains exactly like an uninterrupted run and consumes every sample onc
 import threading
 from collections import Counter
 
-from megadyn.testing import free_port, spawn
+from megadyn.testing import free_port, run_pretrain, spawn
 
 ARGS = [
     "--num-layers",
@@ -80,14 +80,8 @@ def elastic_run(rank, world, argv, port, requests):
     return pretrain_gpt.main(list(argv))
 
 
-def plain_run(rank, world, argv):
-    import pretrain_gpt
-
-    return pretrain_gpt.main(list(argv))
-
-
 def test_four_reconfigurations_match_uninterrupted_run():
-    reference = spawn(plain_run, world=1, args=(ARGS,))[0]
+    reference = spawn(run_pretrain, world=1, args=(ARGS,))[0]
     port = free_port()
     argv = ARGS + [
         "--tensor-model-parallel-size",
@@ -144,7 +138,7 @@ def operator_tool(rank, world, argv, port):
 def test_operator_tool_refuses_bad_request_and_releases_processes():
     args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
     args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"  # not chaotic
-    reference = spawn(plain_run, world=1, args=(args,))[0]
+    reference = spawn(run_pretrain, world=1, args=(args,))[0]
     port = free_port()
     argv = args + ["--elastic-control-port", str(port), "--elastic-layout", "pinned"]
     results = spawn(operator_tool, world=4, args=(argv, port), timeout_s=120)
@@ -169,7 +163,7 @@ def test_rng_streams_move_with_the_state():
     dropout[dropout.index("--hidden-dropout") + 1] = "0.1"
     dropout[dropout.index("--attention-dropout") + 1] = "0.1"
     layout = ["--tensor-model-parallel-size", "2"]
-    reference = spawn(plain_run, world=2, args=(dropout + layout,))[1]
+    reference = spawn(run_pretrain, world=2, args=(dropout + layout,))[1]
     port = free_port()
     argv = dropout + layout + ["--elastic-control-port", str(port)]
     requests = [

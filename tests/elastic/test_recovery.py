@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from test_live_reconfiguration import ARGS, plain_run  # noqa: E402
+from test_live_reconfiguration import ARGS  # noqa: E402
 
-from megadyn.testing import free_port, spawn
+from megadyn.testing import free_port, run_pretrain, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -38,7 +38,7 @@ def workers_of(pid: int) -> list[int]:
 
 def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     iters, interval = 40, 4
-    reference = spawn(plain_run, world=1, args=(args(iters),))[0]
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
     cmd = [
         sys.executable,
         "-m",
@@ -111,10 +111,10 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
 
 def test_without_a_snapshot_the_disk_checkpoint_is_used_and_said(tmp_path, capfd):
     save = str(tmp_path / "ckpt")
-    spawn(plain_run, world=1, args=(args(6) + ["--save", save, "--save-interval", "3"],))
+    spawn(run_pretrain, world=1, args=(args(6) + ["--save", save, "--save-interval", "3"],))
     capfd.readouterr()
     resumed = spawn(
-        plain_run,
+        run_pretrain,
         world=1,
         args=(
             args(6)

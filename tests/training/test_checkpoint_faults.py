@@ -5,7 +5,7 @@ import os
 import pytest
 from test_training_run import COMMON, close, train  # noqa: E402
 
-from megadyn.testing import spawn
+from megadyn.testing import run_pretrain, spawn
 from megadyn.training.checkpoint import latest_checkpoint
 
 
@@ -63,19 +63,18 @@ def test_truncated_checkpoint_is_a_clear_error(saved, tmp_path):
 def test_model_shape_mismatch_is_a_clear_error(saved):
     bigger = [a if a != "32" else "64" for a in COMMON]  # --hidden-size 64
     with pytest.raises(RuntimeError, match="global shape"):
-        spawn(lambda_run, world=1, args=(bigger + ["--load", saved],))
-
-
-def lambda_run(rank, world, argv):
-    import pretrain_gpt
-
-    return pretrain_gpt.main(list(argv))
+        spawn(run_pretrain, world=1, args=(bigger + ["--load", saved],))
 
 
 def test_async_save_keeps_last_k(tmp_path):
     save = str(tmp_path / "ckpt")
-    losses = train(1, "--save", save, "--save-interval", "2", "--ckpt-keep-last", "2", "--async-save")
-    assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == ["iter_0000004", "iter_0000006"]
+    losses = train(
+        1, "--save", save, "--save-interval", "2", "--ckpt-keep-last", "2", "--async-save"
+    )
+    assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == [
+        "iter_0000004",
+        "iter_0000006",
+    ]
     assert not [d for d in os.listdir(save) if d.endswith(".partial")]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "6"

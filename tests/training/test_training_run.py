@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megadyn.testing import spawn
+from megadyn.testing import run_pretrain, spawn
 
 MODEL = [
     "--num-layers",
@@ -60,14 +60,8 @@ COMMON = MODEL + [
 ]
 
 
-def run(rank, world, argv):
-    import pretrain_gpt
-
-    return pretrain_gpt.main(list(argv))
-
-
 def train(world, *flags):
-    results = spawn(run, world=world, args=(COMMON + list(flags),))
+    results = spawn(run_pretrain, world=world, args=(COMMON + list(flags),))
     return next(r for r in reversed(results) if r)  # the logging (last) rank's losses
 
 
