@@ -5,67 +5,39 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-from test_live_reconfiguration import ARGS  # noqa: E402
+from recovery_helpers import (  # noqa: E402
+    LINE,
+    REPO,
+    args,
+    assert_matches_reference,
+    torchrun_cmd,
+    workers_of,
+)
 
 from megadyn.testing import free_port, run_pretrain, spawn
-
-REPO = Path(__file__).resolve().parents[2]
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
-
-
-def args(iters: int) -> list[str]:
-    a = [x if x != "10" else str(iters) for x in ARGS]
-    a[a.index("--lr") + 1], a[a.index("--min-lr") + 1] = "1e-3", "1e-4"
-    return a
-
-
-def workers_of(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return kids
 
 
 def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     iters, interval = 40, 4
     reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "--rdzv-id",
-        "recovery-test",
-        "pretrain_gpt.py",
-        *args(iters),
-        "--tensor-model-parallel-size",
-        "2",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--elastic-snapshot-interval",
-        str(interval),
-        "--elastic-snapshot-dir",
-        str(tmp_path / "shm"),
-    ]
+    cmd = torchrun_cmd(
+        [
+            "pretrain_gpt.py",
+            *args(iters),
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--elastic-snapshot-interval",
+            str(interval),
+            "--elastic-snapshot-dir",
+            str(tmp_path / "shm"),
+        ],
+        nproc=4,
+        endpoint=f"127.0.0.1:{free_port()}",
+    )
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     job = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -96,12 +68,7 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     assert len(resumed) == 2 and len(kills) == 2, text[-3000:]
     for (last_before, *_), snap in zip(kills, resumed):
         assert last_before - snap <= interval + 1  # the lost work is at most a snapshot interval
-    losses = {}
-    for it, loss in LINE.findall(text):
-        losses[int(it)] = float(loss)  # the steps run again after a restart overwrite the first
-    assert sorted(losses) == list(range(1, iters + 1))
-    for i, want in enumerate(reference, start=1):
-        assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
+    assert_matches_reference(text, reference)
     for (last_before, killed, back), snap in zip(kills, resumed):
         print(
             f"recovery: killed after iteration {last_before}, resumed from snapshot {snap}, "

@@ -1,0 +1,84 @@
+"""Shared pieces of megadyn's recovery-path tests (torchrun restarts from in-memory snapshots).
+
+cmd = torchrun_cmd(["pretrain_gpt.py", *args(40)], nproc=4, endpoint=f"127.0.0.1:{port}")
+job = subprocess.Popen(cmd, cwd=REPO, ...)
+os.kill(sorted(workers_of(job.pid))[1], signal.SIGKILL)    # one worker of that agent
+losses = losses_by_iteration(log_text)                     # the last value of each step
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from test_live_reconfiguration import ARGS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+
+
+def args(iters: int) -> list[str]:
+    """The tiny model of the live-reconfiguration tests, trained for `iters` steps."""
+    a = [x if x != "10" else str(iters) for x in ARGS]
+    a[a.index("--lr") + 1], a[a.index("--min-lr") + 1] = "1e-3", "1e-4"
+    return a
+
+
+def workers_of(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (a torchrun agent's workers)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return kids
+
+
+def torchrun_cmd(
+    script_and_args: list[str],
+    *,
+    nproc: int,
+    endpoint: str,
+    nnodes: int = 1,
+    max_restarts: int = 2,
+    run_id: str = "recovery-test",
+) -> list[str]:
+    """A torchrun command line with c10d rendezvous at `endpoint` (one agent per node)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        *script_and_args,
+    ]
+
+
+def losses_by_iteration(text: str) -> dict[int, float]:
+    """Per-step lm loss from iteration log lines; a step run again after a restart overwrites
+    the first value."""
+    return {int(it): float(loss) for it, loss in LINE.findall(text)}
+
+
+def assert_matches_reference(text: str, reference: list[float], rtol: float = 1e-5) -> None:
+    """Every iteration 1..len(reference) was logged (none lost) with the reference's loss."""
+    losses = losses_by_iteration(text)
+    assert sorted(losses) == list(range(1, len(reference) + 1)), text[-3000:]
+    for i, want in enumerate(reference, start=1):
+        assert abs(losses[i] - want) <= rtol * abs(want), (i, losses[i], want)
