@@ -13,15 +13,16 @@ import sys
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.training.arguments import parse_args
+from megadyn.training.arguments import distributed_timeout, parse_args
 from megadyn.training.config import ConfigError
 from megadyn.training.distributed_init import init_distributed
 from megadyn.training.trainer import Trainer
+from megadyn.training.watchdog import Watchdog
 
 
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    device = init_distributed()
+    device = init_distributed(distributed_timeout(argv))
     world = dist.get_world_size()
     if "--default-job" in argv:
         from megadyn.training.default_job import default_job_argv
@@ -35,27 +36,40 @@ def main(argv: list[str] | None = None):
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
-    if cfg.parallel.elastic:
-        from megadyn.training.elastic_runner import run_elastic
+    watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # under torchrun only
+    try:
+        if cfg.parallel.elastic:
+            from megadyn.training.elastic_runner import run_elastic
 
-        result = run_elastic(cfg, device)
-        dist.destroy_process_group()
-        return result
+            result = run_elastic(cfg, device, watchdog=watchdog)
+        else:
+            result = train(cfg, device, watchdog)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    dist.destroy_process_group()
+    return result
+
+
+def train(cfg, device, watchdog: Watchdog | None) -> list[float]:
+    """Train on a fixed layout from the newest snapshot or checkpoint; per-step losses."""
+    world = dist.get_world_size()
     layout = cfg.layout(world)
-    groups = ParallelGroups.build(layout, members=range(layout.world_size))
+    groups = ParallelGroups.build(
+        layout, members=range(layout.world_size), timeout=cfg.parallel.distributed_timeout
+    )
     if dist.get_rank() == 0:
         print(
             f" megadyn: {world} processes, layout tp={layout.tp} pp={layout.pp} dp={layout.dp} "
             f"vpp={layout.vpp} sequence_parallel={layout.sequence_parallel}, device {device.type}",
             flush=True,
         )
-    trainer = Trainer(cfg, groups, device)
+    trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook if watchdog else None)
     trainer.resume()
     history = trainer.train()
     if cfg.parallel.elastic_snapshot_interval and dist.get_rank() == 0:
         shutil.rmtree(cfg.parallel.elastic_snapshot_dir, ignore_errors=True)  # the run is done
     groups.destroy()
-    dist.destroy_process_group()
     return history
 
 

@@ -20,6 +20,7 @@ non-members return at once, and processes that have left the job take no part.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
@@ -27,8 +28,8 @@ import torch.distributed as dist
 from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid, canonical_members
 
 
-def _new_group(ranks: list[int], backend: str):
-    return dist.new_group(ranks, backend=backend)
+def _new_group(ranks: list[int], backend: str, timeout: timedelta | None):
+    return dist.new_group(ranks, backend=backend, timeout=timeout)
 
 
 @dataclass
@@ -55,9 +56,14 @@ class ParallelGroups:
 
     @classmethod
     def build(
-        cls, layout: Layout, members: Sequence[int], backend: str | None = None
+        cls,
+        layout: Layout,
+        members: Sequence[int],
+        backend: str | None = None,
+        timeout: timedelta | None = None,
     ) -> ParallelGroups:
-        """Create the groups of `layout` over `members` (an ordered list of global ranks)."""
+        """Create the groups of `layout` over `members` (an ordered list of global ranks);
+        `timeout` bounds every collective on them (torch's default for the backend if None)."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialized before building groups")
         members = tuple(int(m) for m in members)
@@ -83,13 +89,13 @@ class ParallelGroups:
             ("embedding", grid.embedding_groups()),
         ):
             for ranks in all_groups:  # every process creates every group, in one order
-                group = _new_group(ranks, backend)
+                group = _new_group(ranks, backend, timeout)
                 if rank in ranks:
                     pg._owned.append(group)
                     setattr(pg, f"{kind}_group", group)
                     if kind != "mp":
                         setattr(pg, f"{kind}_ranks", ranks)
-        group = _new_group(list(members), "gloo")
+        group = _new_group(list(members), "gloo", timeout)
         if pg.is_member:
             pg._owned.append(group)
             pg.members_group = group

@@ -159,6 +159,7 @@ class ElasticController:
             return None
         t0 = time.perf_counter()
         if trainer is not None:
+            trainer.finish_snapshot()  # a snapshot still being written uses the old groups
             self._publish_rng(trainer)  # first: planning may build modules that draw random numbers
         old_layout, new_layout = Layout(**rec["old_layout"]), Layout(**rec["layout"])
         old_members, new_members = rec["old_members"], rec["members"]
@@ -167,8 +168,9 @@ class ElasticController:
         # NCCL communicator exists already); else over a group of the old and new members,
         # which every live process creates (see groups.py)
         whole_world = len(self.live) == dist.get_world_size()
-        span_group = None if whole_world else dist.new_group(span)
-        new_groups = ParallelGroups.build(new_layout, new_members)
+        timeout = self.cfg.parallel.distributed_timeout
+        span_group = None if whole_world else dist.new_group(span, timeout=timeout)
+        new_groups = ParallelGroups.build(new_layout, new_members, timeout=timeout)
         model_cfg = self.cfg.model.with_(vocab_size=rec["vocab_size"])
         plan = plan_reshard(
             model_cfg,

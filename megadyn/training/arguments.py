@@ -17,6 +17,7 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,7 +43,14 @@ from megadyn.training.config import (
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import check_schedule
 
-__all__ = ["ConfigError", "build_parser", "dump_args", "parse_args", "validate"]
+__all__ = [
+    "ConfigError",
+    "build_parser",
+    "distributed_timeout",
+    "dump_args",
+    "parse_args",
+    "validate",
+]
 
 GPT2_VOCAB_SIZE = 50257
 """Tokens of the GPT-2 BPE vocabulary (GPT2BPETokenizer)."""
@@ -122,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     par("--elastic-control-interval", type=int)
     par("--elastic-reshard-chunk-mb", type=int)
     par("--elastic-control-port", type=int)
+    par("--elastic-heartbeat-timeout", type=float)
+    par("--distributed-timeout-minutes", type=int)
 
     t = _Group(p, "training", "training", TrainingConfig)
     t("--micro-batch-size", type=int, default=None)
@@ -199,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     lg("--wandb-exp-name")
     lg("--wandb-save-dir")
     return p
+
+
+def distributed_timeout(argv: Sequence[str]) -> timedelta:
+    """--distributed-timeout-minutes of a command line, read before torch.distributed starts
+    (the full parse needs the world size)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    p.add_argument("--distributed-timeout-minutes", type=int, default=None)
+    try:
+        minutes = p.parse_known_args(argv)[0].distributed_timeout_minutes
+    except argparse.ArgumentError:  # parse_args reports it, naming the flag
+        minutes = None
+    return timedelta(minutes=max(1, minutes or ParallelConfig.distributed_timeout_minutes))
 
 
 def parse_args(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
@@ -367,6 +389,14 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
         raise ConfigError("--save-interval (> 0) is required with --save")
     if ckpt.keep_last is not None and ckpt.keep_last < 1:
         raise ConfigError(f"--ckpt-keep-last must be >= 1, got {ckpt.keep_last}")
+    if par.distributed_timeout_minutes < 1:
+        raise ConfigError(
+            f"--distributed-timeout-minutes must be >= 1, got {par.distributed_timeout_minutes}"
+        )
+    if par.elastic_heartbeat_timeout < 0:
+        raise ConfigError(
+            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {par.elastic_heartbeat_timeout}"
+        )
     if cfg.logging.log_interval < 1:
         raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
 

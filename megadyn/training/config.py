@@ -20,6 +20,7 @@ import inspect
 import re
 import textwrap
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
@@ -105,6 +106,18 @@ class ParallelConfig:
     elastic_control_port: int | None = None
     """Port of the control store that rank 0 hosts for tools/elastic_ctl.py; setting it (or
     --elastic-initial-members) turns live reconfiguration on (--elastic-control-port)."""
+    elastic_heartbeat_timeout: float = 30.0
+    """Under torchrun, seconds a rank may go without a heartbeat in the job's store before every
+    other rank names it and exits, so that torchrun restarts the job instead of waiting in a
+    collective; 0 = off (--elastic-heartbeat-timeout)."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of the default process group and of every group megadyn creates
+    (--distributed-timeout-minutes)."""
+
+    @property
+    def distributed_timeout(self) -> timedelta:
+        """--distributed-timeout-minutes as a timedelta, for process groups."""
+        return timedelta(minutes=self.distributed_timeout_minutes)
 
     @property
     def elastic(self) -> bool:

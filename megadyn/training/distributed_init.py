@@ -1,4 +1,13 @@
-"""Start torch.distributed from torchrun's environment (or as a single process without it)."""
+"""Start torch.distributed from torchrun's environment (or as a single process without it).
+
+    device = init_distributed(timeout=cfg.parallel.distributed_timeout)
+
+Under torchrun every worker reaches the elastic agent's TCPStore at MASTER_ADDR:MASTER_PORT.
+That store outlives the workers, so each restart of the worker group works in a key space of
+its own, `attempt_prefix(TORCHELASTIC_RESTART_COUNT)`: the restarted workers never read keys
+left by the ones that died (their gloo addresses), and can still read what those left on
+purpose (their heartbeats, megadyn/training/watchdog.py).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,27 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed(timeout_s: float = 600.0) -> torch.device:
-    """Initialize the default process group (nccl on GPUs, else gloo); return this rank's device."""
+def restart_count() -> int | None:
+    """How many times torchrun restarted this worker group; None when not under torchrun."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return None if count is None else int(count)
+
+
+def attempt_prefix(restart: int) -> str:
+    """The key space of one attempt (the first start is attempt 0) in the agent's store."""
+    return f"megadyn/attempt_{restart}/"
+
+
+def agent_store(timeout: timedelta) -> dist.TCPStore:
+    """A client of the elastic agent's store (all attempts' keys: wrap it in a PrefixStore)."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> torch.device:
+    """Initialize the default process group (nccl on GPUs, else gloo), its collectives bounded
+    by `timeout` (--distributed-timeout-minutes); return this rank's device."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -25,19 +53,11 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
         if "MASTER_ADDR" not in os.environ:  # a plain `python pretrain_gpt.py`: one process
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-        timeout = timedelta(seconds=timeout_s)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        restart = restart_count()
         if restart is None:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        else:  # under torchrun: a key space of our own per restart, so that no key left by
-            # workers that died (their gloo addresses) is read by the restarted ones
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=timeout,
-            )
-            store = dist.PrefixStore(f"megadyn/attempt_{restart}/", store)
+        else:
+            store = dist.PrefixStore(attempt_prefix(restart), agent_store(timeout))
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world, timeout=timeout
             )

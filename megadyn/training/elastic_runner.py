@@ -24,24 +24,44 @@ def control_channel(cfg) -> ControlChannel:
     return ControlChannel(store)
 
 
-def run_elastic(cfg, device, *, print_fn=print) -> dict:
+def run_elastic(cfg, device, *, watchdog=None, print_fn=print) -> dict:
     """Train under the controller; returns this process's losses by iteration, the sample
-    indices it drew and the reconfiguration events it took part in."""
+    indices it drew and the reconfiguration events it took part in. After a torchrun restart
+    the members start from the newest complete in-memory snapshot (else --load) under the
+    job's first layout; `watchdog` (megadyn/training/watchdog.py) sees every step."""
     world = dist.get_world_size()
+
+    def with_watchdog(step_hook):
+        if watchdog is None:
+            return step_hook
+
+        def hook(trainer):
+            watchdog.step_hook(trainer)
+            step_hook(trainer)
+
+        return hook
 
     def make_trainer(groups, state: dict, step_hook):
         return Trainer(
-            cfg, groups, device, state=TrainState(**state), init_weights=False, step_hook=step_hook
+            cfg,
+            groups,
+            device,
+            state=TrainState(**state),
+            init_weights=False,
+            step_hook=with_watchdog(step_hook),
         )
 
     controller = ElasticController(
         cfg, control_channel(cfg), device, make_trainer=make_trainer, print_fn=print_fn
     )
     layout = cfg.layout(world)
-    groups = ParallelGroups.build(layout, members=range(layout.world_size))
-    trainer = (
-        Trainer(cfg, groups, device, step_hook=controller.step_hook) if groups.is_member else None
+    groups = ParallelGroups.build(
+        layout, members=range(layout.world_size), timeout=cfg.parallel.distributed_timeout
     )
+    trainer = None
+    if groups.is_member:
+        trainer = Trainer(cfg, groups, device, step_hook=with_watchdog(controller.step_hook))
+        trainer.resume()
     losses, samples = {}, []
     while True:
         if trainer is None:

@@ -82,3 +82,26 @@ def assert_matches_reference(text: str, reference: list[float], rtol: float = 1e
     assert sorted(losses) == list(range(1, len(reference) + 1)), text[-3000:]
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= rtol * abs(want), (i, losses[i], want)
+
+
+RECOVERY = re.compile(
+    r"recovery: restart (\d+) \| resumed from iteration (\d+) \| iterations repeated: (\d+)"
+    r".*?: ([0-9.]+) s, measured from the last heartbeat of rank (\d+)"
+)
+"""The line a restarted job logs at its first completed step (megadyn/training/watchdog.py)."""
+
+
+def recovery_times(text: str) -> list[dict]:
+    """Each restart's recovery line: restart, resumed iteration, repeated steps, seconds, rank."""
+    keys = ("restart", "resumed", "repeated", "seconds", "silent_rank")
+    return [
+        dict(zip(keys, (int(a), int(b), int(c), float(d), int(e))))
+        for a, b, c, d, e in RECOVERY.findall(text)
+    ]
+
+
+def rank_of(pid: int) -> int:
+    """The global RANK torchrun gave worker `pid`."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"RANK"])

@@ -1,0 +1,217 @@
+"""Heartbeats through torchrun's agent store: a hung rank is named, and the job restarts instead
+of waiting in a collective; a restarted job logs how long its recovery took.
+
+    watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # None unless under torchrun
+    trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook)
+    trainer.train()
+    watchdog.stop()                     # this rank is done: the others stop watching it
+
+Each rank runs one daemon thread. Every `interval` seconds it writes, in the attempt's key space
+of the agent's store (`attempt_prefix`, megadyn/training/distributed_init.py),
+
+    heartbeat/world     the attempt's world size
+    heartbeat/<rank>    JSON {"time": wall clock, "iteration": last completed step, "host", "pid",
+                        "done": true once the rank finished}
+
+and reads every other rank's key in one `multi_get`. A rank whose key has not changed for
+`timeout` seconds (as this rank's monotonic clock sees it, so host clocks need not agree) and is
+not done makes this rank print one line naming it and exit with `HUNG_PEER_EXIT`; the agent then
+restarts the worker group. A silent rank on the same host is SIGKILLed first: the agent would
+wait 30 s for a hung process that ignores its SIGTERM. A rank that dies is the agent's to notice.
+
+The keys outlive the attempt, so a restarted job reads the previous attempt's: the failure is
+dated by the last heartbeat of the rank that went silent first, and the first completed step
+after the restart logs the seconds since then (clocks of different hosts must agree for that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megadyn.training.distributed_init import agent_store, attempt_prefix, restart_count
+
+HUNG_PEER_EXIT = 75
+"""Exit status of a rank that found a silent peer (EX_TEMPFAIL: try again, torchrun)."""
+
+
+@dataclass(frozen=True)
+class PreviousAttempt:
+    """What the heartbeats of the attempt before this one say about its end."""
+
+    attempt: int
+    silent_rank: int
+    """The rank whose heartbeats stopped first: the failed one."""
+    last_heartbeat: float
+    """Wall-clock time of its last heartbeat (the failure happened at most one interval later)."""
+    iteration: int
+    """The furthest step any rank of the attempt completed."""
+    host: str
+
+
+def read_previous_attempt(store, attempt: int) -> PreviousAttempt | None:
+    """The heartbeats attempt `attempt` left in the agent's `store`; None when it left none."""
+    beats = dist.PrefixStore(attempt_prefix(attempt) + "heartbeat/", store)
+    if not beats.check(["world"]):
+        return None
+    world = int(beats.get("world"))
+    ranks = [r for r in range(world) if beats.check([str(r)])]
+    if not ranks:
+        return None
+    values = dict(zip(ranks, (json.loads(v) for v in beats.multi_get([str(r) for r in ranks]))))
+    live = {r: v for r, v in values.items() if not v["done"]} or values
+    silent = min(live, key=lambda r: live[r]["time"])
+    return PreviousAttempt(
+        attempt=attempt,
+        silent_rank=silent,
+        last_heartbeat=live[silent]["time"],
+        iteration=max(v["iteration"] for v in values.values()),
+        host=live[silent]["host"],
+    )
+
+
+class Watchdog:
+    def __init__(self, store, rank: int, world: int, timeout: float, restart: int, print_fn=print):
+        """Use `Watchdog.start`; `store` is a client of the agent's store (not shared with the
+        process group: this rank's thread uses it alone)."""
+        self.rank, self.world, self.timeout, self.restart = rank, world, timeout, restart
+        self.interval = min(1.0, timeout / 10) if timeout else 1.0
+        self.print = print_fn
+        self.iteration = 0  # written by the training loop, read by the thread
+        self.beats = dist.PrefixStore(attempt_prefix(restart) + "heartbeat/", store)
+        self.previous = read_previous_attempt(store, restart - 1) if restart else None
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megadyn-heartbeat", daemon=True)
+
+    @classmethod
+    def start(cls, timeout: float, print_fn=print) -> Watchdog | None:
+        """Start this rank's heartbeats (and, with `timeout` > 0, the silence check); None when
+        the job does not run under torchrun's elastic agent (nothing would restart it)."""
+        restart = restart_count()
+        if restart is None:
+            return None
+        store = agent_store(timedelta(seconds=max(30.0, timeout)))
+        watchdog = cls(store, dist.get_rank(), dist.get_world_size(), timeout, restart, print_fn)
+        watchdog.beats.set("world", str(watchdog.world))
+        watchdog._beat(done=False)
+        watchdog._thread.start()
+        return watchdog
+
+    # --- the training loop's side ------------------------------------------------------------
+    def step_hook(self, trainer) -> None:
+        """After every step: the iteration goes into the heartbeats; the first step completed
+        after a restart logs the recovery time (on the trainer's logging rank)."""
+        self.iteration = trainer.state.iteration
+        if self._reported or not self.restart:
+            return
+        self._reported = True
+        if trainer.logs:
+            self.print(self.recovery_line(self.iteration), flush=True)
+
+    def recovery_line(self, iteration: int) -> str:
+        """The log line of the first step completed (`iteration`) after a restart."""
+        resumed = iteration - 1
+        head = f" recovery: restart {self.restart} | resumed from iteration {resumed} | "
+        prev = self.previous
+        if prev is None:
+            return head + f"attempt {self.restart - 1} left no heartbeats: recovery time unknown"
+        repeated = max(0, prev.iteration - resumed)
+        span = f" ({resumed + 1}-{prev.iteration})" if repeated else ""
+        return head + (
+            f"iterations repeated: {repeated}{span} | failure to completed step {iteration}: "
+            f"{time.time() - prev.last_heartbeat:.1f} s, measured from the last heartbeat of "
+            f"rank {prev.silent_rank} ({prev.host}) in attempt {prev.attempt}"
+        )
+
+    def stop(self) -> None:
+        """This rank is done: mark it so, and end the thread."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self._beat(done=True)
+        except Exception:  # noqa: BLE001 - the agent's store is gone: nobody is watching
+            pass
+
+    # --- the thread ---------------------------------------------------------------------------
+    def _beat(self, done: bool) -> None:
+        value = {
+            "time": time.time(),
+            "iteration": self.iteration,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "done": done,
+        }
+        self.beats.set(str(self.rank), json.dumps(value))
+
+    def _run(self) -> None:
+        others = [str(r) for r in range(self.world) if r != self.rank]
+        start = time.monotonic()
+        seen: dict[str, tuple[bytes, float]] = {}  # key -> (value, when it last changed)
+        last_ok = start
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self._beat(done=False)
+                present = [k for k in others if k in seen or self.beats.check([k])]
+                values = self.beats.multi_get(present) if present else []
+                last_ok = now
+            except Exception as e:  # noqa: BLE001 - the store did not answer this time
+                if self.timeout and now - last_ok > self.timeout:
+                    self._exit(
+                        f"the agent's store has not answered for {now - last_ok:.0f} s ({e})"
+                    )
+                continue
+            if not self.timeout:
+                continue
+            for key, value in zip(present, values):
+                if key not in seen or seen[key][0] != value:
+                    seen[key] = (value, now)
+            for key in others:
+                value, changed = seen.get(key, (None, start))
+                if value is not None and json.loads(value)["done"]:
+                    continue
+                # a rank not heard from yet gets twice the timeout to start
+                limit = self.timeout * (2 if value is None else 1)
+                if now - changed > limit:
+                    beat = json.loads(value) if value is not None else {}
+                    where = " ({host}, pid {pid})".format(**beat) if beat else ""
+                    killed = _kill_if_here(int(key), beat)
+                    self._exit(
+                        f"rank {key}{where} sent no heartbeat for {now - changed:.1f} s "
+                        f"(--elastic-heartbeat-timeout {self.timeout:g})"
+                        + ("; killed it (same host)" if killed else "")
+                    )
+
+    def _exit(self, why: str) -> None:
+        self.print(
+            f" watchdog: rank {self.rank}: {why}; exiting so that torchrun restarts the job",
+            flush=True,
+        )
+        os._exit(HUNG_PEER_EXIT)
+
+
+def _kill_if_here(rank: int, beat: dict) -> bool:
+    """SIGKILL a silent rank that runs on this host, after checking that the pid is still that
+    worker of this job. A hung process may ignore SIGTERM (a stopped one does), and torchrun's
+    agent waits 30 s before its SIGKILL when it stops the worker group for the restart."""
+    if beat.get("host") != socket.gethostname():
+        return False
+    try:
+        with open(f"/proc/{beat['pid']}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
+        if env.get(b"RANK") != str(rank).encode() or env.get(b"TORCHELASTIC_RUN_ID") != run_id:
+            return False
+        os.kill(beat["pid"], signal.SIGKILL)
+        return True
+    except OSError:  # gone already, or not ours to read
+        return False
