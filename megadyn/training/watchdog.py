@@ -10,6 +10,7 @@ Each rank runs one daemon thread. Every `interval` seconds it writes, in the att
 of the agent's store (`attempt_prefix`, megadyn/training/distributed_init.py),
 
     heartbeat/world     the attempt's world size
+    heartbeat/progress  the last completed step, written after every step by the logging rank
     heartbeat/<rank>    JSON {"time": wall clock, "iteration": last completed step, "host", "pid",
                         "done": true once the rank finished}
 
@@ -69,11 +70,14 @@ def read_previous_attempt(store, attempt: int) -> PreviousAttempt | None:
     values = dict(zip(ranks, (json.loads(v) for v in beats.multi_get([str(r) for r in ranks]))))
     live = {r: v for r, v in values.items() if not v["done"]} or values
     silent = min(live, key=lambda r: live[r]["time"])
+    iteration = max(v["iteration"] for v in values.values())
+    if beats.check(["progress"]):
+        iteration = max(iteration, int(beats.get("progress")))
     return PreviousAttempt(
         attempt=attempt,
         silent_rank=silent,
         last_heartbeat=live[silent]["time"],
-        iteration=max(v["iteration"] for v in values.values()),
+        iteration=iteration,
         host=live[silent]["host"],
     )
 
@@ -111,6 +115,8 @@ class Watchdog:
         """After every step: the iteration goes into the heartbeats; the first step completed
         after a restart logs the recovery time (on the trainer's logging rank)."""
         self.iteration = trainer.state.iteration
+        if trainer.logs:
+            self.beats.set("progress", str(self.iteration))
         if self._reported or not self.restart:
             return
         self._reported = True

@@ -12,6 +12,7 @@ from recovery_helpers import (  # noqa: E402
     REPO,
     args,
     assert_matches_reference,
+    recovery_times,
     torchrun_cmd,
     workers_of,
 )
@@ -69,10 +70,15 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     for (last_before, *_), snap in zip(kills, resumed):
         assert last_before - snap <= interval + 1  # the lost work is at most a snapshot interval
     assert_matches_reference(text, reference)
-    for (last_before, killed, back), snap in zip(kills, resumed):
+    logged = recovery_times(text)  # the job's own line, timed from the last heartbeat
+    assert [r["restart"] for r in logged] == [1, 2] and [r["resumed"] for r in logged] == resumed
+    for (last_before, killed, back), snap, rec in zip(kills, resumed, logged):
+        # the kill races with the step after the one the test saw logged
+        assert abs(rec["repeated"] - (last_before - snap)) <= 1 and rec["seconds"] < 60, rec
         print(
             f"recovery: killed after iteration {last_before}, resumed from snapshot {snap}, "
-            f"kill to next completed step {back - killed:.1f} s"
+            f"kill to next completed step {back - killed:.1f} s; the job logged "
+            f"{rec['seconds']:.1f} s from the last heartbeat of rank {rec['silent_rank']}"
         )
 
 
