@@ -54,6 +54,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument(
+        "--no-overlap-param-gather",
+        action="store_true",
+        help="gather updated params right after the step instead of during the next forward",
+    )
+    p.add_argument(
         "--no-grad-accumulation-fusion",
         action="store_true",
         help="weight gradients through param.grad and the DDP hook's add",
@@ -62,10 +67,22 @@ def parse() -> argparse.Namespace:
         "--tp-comm-overlap", action="store_true", help="overlap SP collectives with GEMMs"
     )
     p.add_argument(
+        "--tp-comm-overlap-impl",
+        choices=["auto", "collectives", "symm_mem"],
+        default="auto",
+        help="how --tp-comm-overlap overlaps (megadyn/core/tensor_parallel/overlap.py)",
+    )
+    p.add_argument(
         "--fused-loss",
         choices=["auto", "on", "off"],
         default="auto",
         help="torch.compile the cross entropy's elementwise stages (auto: on a GPU)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+        default="auto",
+        help="attention kernel (fused = cuDNN; auto = cuDNN first on Hopper)",
     )
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
@@ -112,8 +129,9 @@ def main() -> None:
         untie_embeddings_and_output_weights=True,
         params_dtype=torch.bfloat16,
         gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
-        tp_comm_overlap=a.tp_comm_overlap,
+        tp_comm_overlap=a.tp_comm_overlap and a.tp_comm_overlap_impl,
         fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
+        attention_backend=a.attention_backend,
     )
     recompute = dict(
         none=RecomputeConfig(),
@@ -132,6 +150,7 @@ def main() -> None:
             groups.dp_group,
             overlap_grad_reduce=not a.no_overlap_grad_reduce,
             use_distributed_optimizer=distopt,
+            overlap_param_gather=not a.no_overlap_param_gather,
         )
         for c in chunks
     ]
@@ -201,6 +220,7 @@ def main() -> None:
         dp=layout.dp,
         sp=a.sp,
         attn="sdpa",
+        attention_backend=a.attention_backend,
         recompute=a.recompute,
         layers=n_layers,
         hidden=h,

@@ -60,12 +60,19 @@ class GPTConfig:
     gradient_accumulation_fusion: bool = True
     """Weight-gradient GEMMs of bf16/fp16 layers accumulate into the fp32 DDP `main_grad`
     directly (no bf16 gradient, no separate add); fp32 models are unaffected."""
-    tp_comm_overlap: bool = False
+    tp_comm_overlap: bool | str = False
     """Under sequence parallelism, overlap the all-gathers and reduce-scatters of the linear
-    layers with their GEMMs (megadyn/core/tensor_parallel/overlap.py)."""
+    layers with their GEMMs (megadyn/core/tensor_parallel/overlap.py): True or 'auto'
+    (symmetric memory on GPUs where torch has it, else asynchronous collectives), 'symm_mem',
+    'collectives' (--tp-comm-overlap)."""
     fused_loss: bool | None = None
     """`torch.compile` the vocab-parallel cross entropy's elementwise stages; None: when the
     logits are on a GPU (the math is the same; eager on the CPU)."""
+    attention_backend: str = "auto"
+    """Kernel of the attention (--attention-backend, Megatron's names): 'flash' (torch's flash
+    kernel), 'fused' (cuDNN's fused attention), 'unfused' or 'local' (plain math), 'auto'
+    (cuDNN first on Hopper GPUs, where it is the fastest kernel without TransformerEngine;
+    torch's own order elsewhere)."""
     apply_query_key_layer_scaling: bool = False
     """Unused by megadyn (scaled_dot_product_attention scales by 1/sqrt(d)); kept for flag parity."""
 
@@ -84,6 +91,7 @@ class GPTConfig:
             ("position_embedding_type", ("learned_absolute", "rope")),
             ("normalization", ("LayerNorm", "RMSNorm")),
             ("activation", ("gelu", "swiglu")),
+            ("attention_backend", ("auto", "flash", "fused", "unfused", "local")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

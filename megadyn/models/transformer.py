@@ -10,6 +10,8 @@ group, then its key, then its value, so a split along dim 0 gives each tp rank w
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ from megadyn.core.tensor_parallel import (
     group_size,
     mark_param,
 )
+from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
 
 
@@ -88,12 +91,12 @@ class SelfAttention(nn.Module):
         """softmax(q k^T / sqrt(d)) v, causal; q [b, n, s, d], k and v [b, g, s, d]."""
         p = self.cfg.attention_dropout if self.training else 0.0
         gqa = self.groups != self.heads
-        if p > 0.0 and self.tracker is not None:
-            with self.tracker.fork():  # heads differ per tp rank: per-rank stream
-                return F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
-                )
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
+        with fork or contextlib.nullcontext(), attention_kernels(self.cfg.attention_backend, q):
+            # under dropout the heads differ per tp rank: the tracker's per-rank stream
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
+            )
 
     def forward(self, x: torch.Tensor, rope=None, recompute_core: bool = False) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]

@@ -5,7 +5,7 @@
 # ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run.
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; mkdir -p "$OUT"
-ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
+ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp tp2_sp_overlap"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 ROWS=(  # name nproc args
   "tp1|1|--tp 1"
@@ -27,9 +27,17 @@ for row in "${ROWS[@]}"; do
     grep '^{' "$OUT/${fw}_${name}.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
   done
 done
-if [[ " $ONLY " == *" tp2_sp "* ]]; then
-  torchrun --standalone --nproc-per-node 2 tools/bench_gpt.py --tp 2 --sp $MEGADYN_ARGS \
-    --iters "$ITERS" --warmup 3 > "$OUT/megadyn_tp2_sp.log" 2>&1 || tail -5 "$OUT/megadyn_tp2_sp.log"
-  grep '^{' "$OUT/megadyn_tp2_sp.log" | sed 's/^{/{"row": "tp2_sp", /' >> "$OUT/results.jsonl"
-fi
+EXTRA=(  # megadyn-only rows (Megatron-Core's local spec refuses sequence parallelism)
+  "tp2_sp|2|--tp 2 --sp"
+  "tp2_sp_overlap|2|--tp 2 --sp --tp-comm-overlap"
+  "tp2_sp_overlap_collectives|2|--tp 2 --sp --tp-comm-overlap --tp-comm-overlap-impl collectives"
+  "dp4_no_param_overlap|4|--gbs 32 --no-overlap-param-gather"
+)
+for row in "${EXTRA[@]}"; do
+  IFS='|' read -r name n args <<< "$row"
+  [[ " $ONLY " == *" $name "* ]] || continue
+  torchrun --standalone --nproc-per-node "$n" tools/bench_gpt.py $args $MEGADYN_ARGS \
+    --iters "$ITERS" --warmup 3 > "$OUT/megadyn_$name.log" 2>&1 || tail -5 "$OUT/megadyn_$name.log"
+  grep '^{' "$OUT/megadyn_$name.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
+done
 python3 tools/bench_table.py "$OUT/results.jsonl"

@@ -18,7 +18,9 @@ from megadyn.training.config import field_docs
 REPO = Path(__file__).resolve().parents[2]
 
 FLAGS = [
-    "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-dropout",
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-backend",
+    "--attention-dropout", "--cross-entropy-loss-fusion", "--no-cross-entropy-loss-fusion",
+    "--no-gradient-accumulation-fusion", "--tp-comm-overlap",
     "--bf16", "--ckpt-keep-last", "--clip-grad", "--data-cache-path", "--data-path",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-min-members", "--elastic-reshard-chunk-mb",
@@ -102,6 +104,28 @@ def test_megatron_style_command():
     flat = dump_args(cfg)
     assert flat["parallel.tp"] == 2 and flat["model.params_dtype"] == "bfloat16"
     json.dumps(flat)  # plain values only
+
+
+@pytest.mark.parametrize(
+    "extra, fields",
+    [
+        ("", dict(attention_backend="auto", gradient_accumulation_fusion=True, fused_loss=None)),
+        (
+            "--attention-backend fused --no-gradient-accumulation-fusion --tp-comm-overlap "
+            "--no-cross-entropy-loss-fusion",
+            dict(
+                attention_backend="fused",
+                gradient_accumulation_fusion=False,
+                tp_comm_overlap=True,
+                fused_loss=False,
+            ),
+        ),
+        ("--cross-entropy-loss-fusion", dict(fused_loss=True)),
+    ],
+)
+def test_kernel_switches_reach_the_model(extra, fields):
+    model = parse(extra, world_size=1).model
+    assert {k: getattr(model, k) for k in fields} == fields
 
 
 def test_megatron_defaults_and_derived_values():

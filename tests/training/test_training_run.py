@@ -101,8 +101,13 @@ def test_distributed_optimizer_and_dp_equivalence():
     plain = train(2, "--tensor-model-parallel-size", "1")  # dp 2, 2 micro batches each
     dist_opt = train(2, "--use-distributed-optimizer")
     single = train(1)  # dp 1, 4 micro batches
+    # the updated params arrive during the next forward instead of right after the step
+    overlapped = train(
+        2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"
+    )
     close(dist_opt, plain)
     close(plain, single)
+    assert overlapped == dist_opt
 
 
 def test_wandb_offline_run_holds_losses(tmp_path, monkeypatch):

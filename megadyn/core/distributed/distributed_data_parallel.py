@@ -48,6 +48,7 @@ class DistributedDataParallel(nn.Module):
         *,
         overlap_grad_reduce: bool = False,
         use_distributed_optimizer: bool = False,
+        overlap_param_gather: bool = False,
         bucket_size: int | None = None,
         grad_reduce_in_fp32: bool = True,
         average_in_collective: bool = False,
@@ -56,7 +57,9 @@ class DistributedDataParallel(nn.Module):
 
         `bucket_size` (elements) defaults to max(40M, 1M x dp) with `overlap_grad_reduce` and to
         one bucket per buffer without. `average_in_collective` averages with ReduceOp.AVG
-        instead of scaling by 1/dp before a sum.
+        instead of scaling by 1/dp before a sum. `overlap_param_gather` (distributed optimizer)
+        leaves the all-gather of updated params running after the optimizer step; each module
+        waits for its params' buckets just before its next forward.
         """
         super().__init__()
         self.module = module
@@ -64,6 +67,9 @@ class DistributedDataParallel(nn.Module):
         self.dp_size = dist.get_world_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather and use_distributed_optimizer
+        self._gathers: dict[Bucket, object] = {}  # bucket -> its running parameter all-gather
+        self._gather_hooks: list = []
         if bucket_size is None:
             bucket_size = default_bucket_size(overlap_grad_reduce, self.dp_size)
         self.bucket_size = bucket_size
@@ -153,12 +159,45 @@ class DistributedDataParallel(nn.Module):
             buffer.zero_grad()
 
     def all_gather_params(self) -> None:
-        """Distributed optimizer: gather every dp rank's updated parameter shard into the params."""
-        for buffer in self.buffers:
-            buffer.all_gather_params()
+        """Distributed optimizer: gather every dp rank's updated parameter shard into the params
+        (left running under `overlap_param_gather`, see `finish_param_gather`)."""
+        if not self.overlap_param_gather:
+            for buffer in self.buffers:
+                buffer.all_gather_params()
+            return
+        self.finish_param_gather()
+        for buffer in self.buffers:  # buckets were planned in backward order: launch the
+            for bucket in reversed(buffer.buckets):  # first layers' buckets first
+                handle = bucket.all_gather_params(async_op=True)
+                if handle is not None:
+                    self._gathers[bucket] = handle
+        if not self._gathers:
+            return
+        for module in self.module.modules():
+            if any(p in self._param_to_bucket for p in module.parameters(recurse=False)):
+                self._gather_hooks.append(module.register_forward_pre_hook(self._wait_for_params))
+
+    def _wait_for_params(self, module: nn.Module, args) -> None:
+        for param in module.parameters(recurse=False):
+            handle = self._gathers.pop(self._param_to_bucket.get(param), None)
+            if handle is not None:
+                handle.wait()
+        if not self._gathers:  # everything arrived: the hooks have done their work
+            self.finish_param_gather()
+
+    def finish_param_gather(self) -> None:
+        """Wait for every running parameter all-gather (before params are read outside a
+        forward pass: checkpoints, resharding) and drop the waiting hooks."""
+        for handle in self._gathers.values():
+            handle.wait()
+        self._gathers.clear()
+        for hook in self._gather_hooks:
+            hook.remove()
+        self._gather_hooks.clear()
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (before the chunk is dropped or rewrapped)."""
+        self.finish_param_gather()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On a GPU machine: the loss of megadyn's fast paths against the plain path, bf16, same seed and
+# data. Reference: flash attention, weight gradients through param.grad, eager cross entropy.
+# With 2 GPUs or more also: tp2 + sequence parallel with --tp-comm-overlap, and dp2 with
+# --overlap-param-gather (bit-equal to dp2 without it when the params arrive in time).
+# Usage: bash scripts/gpu/fused_paths_bf16.sh OUTDIR
+set -uo pipefail
+OUT=${1:-/tmp/megadyn_fused}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
+COMMON=(--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --seq-length 2048
+  --max-position-embeddings 2048 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+  --micro-batch-size 2 --global-batch-size 16 --bf16 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5
+  --train-iters 30 --log-interval 1 --eval-interval 0 --num-workers 0 --hidden-dropout 0
+  --attention-dropout 0 --seed 1234 --use-distributed-optimizer --overlap-grad-reduce)
+PLAIN=(--attention-backend flash --no-gradient-accumulation-fusion --no-cross-entropy-loss-fusion)
+run() {  # name nproc flags...
+  local name=$1 n=$2; shift 2
+  torchrun --standalone --nproc-per-node "$n" pretrain_gpt.py "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1 \
+    || { echo "FAILED $name"; tail -20 "$OUT/$name.log"; }
+}
+run plain 1 "${PLAIN[@]}"
+run fast 1
+run cudnn_attention 1 --attention-backend fused --no-gradient-accumulation-fusion --no-cross-entropy-loss-fusion
+run wgrad_fusion 1 --attention-backend flash --no-cross-entropy-loss-fusion
+run fused_loss 1 --attention-backend flash --no-gradient-accumulation-fusion
+logs=(plain.log fast.log cudnn_attention.log wgrad_fusion.log fused_loss.log)
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  run tp2_sp_plain 2 --tensor-model-parallel-size 2 --sequence-parallel "${PLAIN[@]}"
+  run tp2_sp_fast 2 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap
+  run dp2_plain 2 "${PLAIN[@]}"
+  run dp2_param_overlap 2 "${PLAIN[@]}" --overlap-param-gather
+  logs+=(tp2_sp_plain.log tp2_sp_fast.log dp2_plain.log dp2_param_overlap.log)
+fi
+cd "$OUT" && python3 "$OLDPWD/tools/compare_losses.py" "${logs[@]}"

@@ -1,0 +1,79 @@
+"""Kill one worker of a torchrun job and time the recovery: kill to the next completed step.
+
+    python tools/bench_recovery.py --nproc 4 --kill-after 25 -- <pretrain_gpt.py flags>
+
+Starts `torchrun --max-restarts 1` (c10d rendezvous) on pretrain_gpt.py with the given flags
+(`--log-interval 1` and `--elastic-snapshot-interval` are the caller's), sends SIGKILL to one
+worker once iteration `--kill-after` is logged, and prints one JSON line: the iteration killed
+after, the snapshot the job resumed from, the seconds from the kill to the first iteration line
+after the restart, and the job's own recovery line. The full log goes to `--log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+ITERATION = re.compile(r"iteration\s+(\d+)/")
+RESUMED = re.compile(r"recovery: resuming from the in-memory snapshot \S*iter_(\d+)")
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return sorted(int(x) for x in out.split())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--kill-after", type=int, required=True, help="iteration to kill after")
+    p.add_argument("--victim", type=int, default=1, help="index of the worker to kill")
+    p.add_argument("--log", default="recovery.log")
+    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("pretrain_args", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    flags = [x for x in a.pretrain_args if x != "--"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(a.nproc), "--max-restarts", "1", "--monitor-interval", "0.1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{a.port}",
+           "--rdzv-id", "bench-recovery", "pretrain_gpt.py", *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    job = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    killed_at = back_at = last = resumed = None
+    job_line = None
+    with open(a.log, "w") as log:
+        for line in job.stdout:
+            log.write(line)
+            m = ITERATION.search(line)
+            if m and killed_at is None and int(m.group(1)) >= a.kill_after:
+                last = int(m.group(1))
+                os.kill(children(job.pid)[a.victim], signal.SIGKILL)
+                killed_at = time.monotonic()
+            elif m and resumed is not None and back_at is None:
+                back_at = time.monotonic()
+            r = RESUMED.search(line)
+            if r and killed_at is not None:
+                resumed = int(r.group(1))
+            if "recovery: restart" in line:
+                job_line = line.strip()
+    code = job.wait()
+    result = dict(
+        exit_code=code,
+        killed_after_iteration=last,
+        resumed_from_snapshot=resumed,
+        kill_to_next_step_s=round(back_at - killed_at, 2) if back_at and killed_at else None,
+        job_recovery_line=job_line,
+    )
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
