@@ -14,15 +14,18 @@ of the agent's store (`attempt_prefix`, megadyn/training/distributed_init.py),
     heartbeat/<rank>    JSON {"time": wall clock, "iteration": last completed step, "host", "pid",
                         "done": true once the rank finished}
 
-and reads every other rank's key in one `multi_get`. A rank whose key has not changed for
-`timeout` seconds (as this rank's monotonic clock sees it, so host clocks need not agree) and is
-not done makes this rank print one line naming it and exit with `HUNG_PEER_EXIT`; the agent then
-restarts the worker group. A silent rank on the same host is SIGKILLed first: the agent would
-wait 30 s for a hung process that ignores its SIGTERM. A rank that dies is the agent's to notice.
+and reads the keys of the `WATCHED` ranks after it (every other rank in jobs of up to 17) in one
+`multi_get`. A rank whose key has not changed for `timeout` seconds (as this rank's monotonic
+clock sees it, so host clocks need not agree) and is not done makes each rank watching it print
+one line naming it and exit with `HUNG_PEER_EXIT`; the agent then restarts the worker group. A
+silent rank on the same host is SIGKILLed first: the agent would wait 30 s for a hung process
+that ignores its SIGTERM. A rank that dies is the agent's to notice.
 
 The keys outlive the attempt, so a restarted job reads the previous attempt's: the failure is
-dated by the last heartbeat of the rank that went silent first, and the first completed step
-after the restart logs the seconds since then (clocks of different hosts must agree for that).
+dated by the last heartbeat of the rank that went silent first (at most one interval before the
+failure: the number errs long), and the first completed step after the restart logs the seconds
+since then (clocks of different hosts must agree for that). When torchrun stops the other
+workers within one interval of a kill, the first rank to go silent need not be the one killed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ import torch.distributed as dist
 
 from megadyn.training.distributed_init import agent_store, attempt_prefix, restart_count
 
+WATCHED = 16
+"""Ranks each rank watches (the next ones around the ring), so the store's load grows with the
+world size, not with its square."""
 HUNG_PEER_EXIT = 75
 """Exit status of a rank that found a silent peer (EX_TEMPFAIL: try again, torchrun)."""
 
@@ -63,8 +69,8 @@ def read_previous_attempt(store, attempt: int) -> PreviousAttempt | None:
     beats = dist.PrefixStore(attempt_prefix(attempt) + "heartbeat/", store)
     if not beats.check(["world"]):
         return None
-    world = int(beats.get("world"))
-    ranks = [r for r in range(world) if beats.check([str(r)])]
+    keys = [str(r) for r in range(int(beats.get("world")))]
+    ranks = [int(k) for k in keys if beats.check([k])]  # a rank may have died before its first
     if not ranks:
         return None
     values = dict(zip(ranks, (json.loads(v) for v in beats.multi_get([str(r) for r in ranks]))))
@@ -90,8 +96,10 @@ class Watchdog:
         self.interval = min(1.0, timeout / 10) if timeout else 1.0
         self.print = print_fn
         self.iteration = 0  # written by the training loop, read by the thread
+        self.store = store
         self.beats = dist.PrefixStore(attempt_prefix(restart) + "heartbeat/", store)
-        self.previous = read_previous_attempt(store, restart - 1) if restart else None
+        # the ranks this one watches: the next WATCHED ones around the ring (all, in small jobs)
+        self.watched = [str((rank + i) % world) for i in range(1, min(world, WATCHED + 1))]
         self._reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megadyn-heartbeat", daemon=True)
@@ -121,13 +129,13 @@ class Watchdog:
             return
         self._reported = True
         if trainer.logs:
-            self.print(self.recovery_line(self.iteration), flush=True)
+            previous = read_previous_attempt(self.store, self.restart - 1)
+            self.print(self.recovery_line(self.iteration, previous), flush=True)
 
-    def recovery_line(self, iteration: int) -> str:
+    def recovery_line(self, iteration: int, prev: PreviousAttempt | None) -> str:
         """The log line of the first step completed (`iteration`) after a restart."""
         resumed = iteration - 1
         head = f" recovery: restart {self.restart} | resumed from iteration {resumed} | "
-        prev = self.previous
         if prev is None:
             return head + f"attempt {self.restart - 1} left no heartbeats: recovery time unknown"
         repeated = max(0, prev.iteration - resumed)
@@ -135,7 +143,8 @@ class Watchdog:
         return head + (
             f"iterations repeated: {repeated}{span} | failure to completed step {iteration}: "
             f"{time.time() - prev.last_heartbeat:.1f} s, measured from the last heartbeat of "
-            f"rank {prev.silent_rank} ({prev.host}) in attempt {prev.attempt}"
+            f"rank {prev.silent_rank} ({prev.host}), the first to go silent in attempt "
+            f"{prev.attempt}"
         )
 
     def stop(self) -> None:
@@ -159,7 +168,7 @@ class Watchdog:
         self.beats.set(str(self.rank), json.dumps(value))
 
     def _run(self) -> None:
-        others = [str(r) for r in range(self.world) if r != self.rank]
+        others = self.watched
         start = time.monotonic()
         seen: dict[str, tuple[bytes, float]] = {}  # key -> (value, when it last changed)
         last_ok = start

@@ -1,11 +1,14 @@
 """Restart path under torchrun beyond a plain `kill -9`: a hung (stopped) worker is named by the
 heartbeats and the job restarts; the restarted job logs its recovery time."""
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
+import torch.distributed as dist
 from recovery_helpers import (  # noqa: E402
     LINE,
     REPO,
@@ -18,14 +21,16 @@ from recovery_helpers import (  # noqa: E402
 )
 
 from megadyn.testing import free_port, run_pretrain, spawn
+from megadyn.training.distributed_init import attempt_prefix
+from megadyn.training.watchdog import Watchdog, read_previous_attempt
 
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
-def run_job(cmd: list[str], on_line, deadline_s: float = 240) -> tuple[int, str]:
+def run_job(cmd: list[str], on_line, deadline_s: float = 240, env=None) -> tuple[int, str]:
     """Run a torchrun job to its end; `on_line(line, job)` sees every output line. Every process
     the test stopped or started is killed at the end, whatever happened."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     job = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -42,6 +47,22 @@ def run_job(cmd: list[str], on_line, deadline_s: float = 240) -> tuple[int, str]
             os.kill(pid, signal.SIGKILL)
         job.kill()
         job.wait()
+
+
+def test_the_previous_attempt_is_read_from_its_heartbeats():
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    beats = dist.PrefixStore(attempt_prefix(0) + "heartbeat/", store)
+    beats.set("world", "3")  # rank 2 died before its first heartbeat
+    for rank, t, it in ((0, 105.0, 11), (1, 100.0, 10)):
+        beat = dict(time=t, iteration=it, host="h", pid=1, done=False)
+        beats.set(str(rank), json.dumps(beat))
+    beats.set("progress", "12")
+    prev = read_previous_attempt(store, 0)
+    assert (prev.silent_rank, prev.last_heartbeat, prev.iteration) == (1, 100.0, 12)
+    assert read_previous_attempt(store, 1) is None
+    line = Watchdog(store, rank=0, world=3, timeout=5, restart=1).recovery_line(9, prev)
+    (rec,) = recovery_times(line)
+    assert rec["resumed"] == 8 and rec["repeated"] == 4 and rec["silent_rank"] == 1, line
 
 
 def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
@@ -93,3 +114,43 @@ def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
     assert rec["resumed"] in (8, 12) and rec["repeated"] >= 0, rec
     assert timeout <= rec["seconds"] < 120, rec  # detection alone takes the heartbeat timeout
     print(f"\nSIGSTOP of rank {stopped['rank']}: {named[0].strip()}\n{rec}")
+
+
+def test_elastic_mode_resumes_after_a_kill_during_a_live_reshard(tmp_path):
+    iters, port = 20, free_port()
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
+    cmd = torchrun_cmd(
+        [
+            "tests/elastic/kill_mid_reshard.py",
+            *args(iters),
+            *TP2_PP2,
+            "--elastic-control-port",
+            str(port),
+            "--elastic-snapshot-interval",
+            "4",
+            "--elastic-snapshot-dir",
+            str(tmp_path / "shm"),
+        ],
+        nproc=4,
+        endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=1,
+    )
+    request = {"action": "layout", "tp": 1, "pp": 2, "members": 4, "at_iteration": 10}
+    submitted = threading.Thread(target=submit, args=(port, request), daemon=True)
+    submitted.start()
+    rc, text = run_job(cmd, lambda line, job: None, env={"KILL_RANK": "1"})
+    assert rc == 0, text[-4000:]
+    assert " test: rank 1 killed during the reshard" in text, text[-4000:]
+    # the snapshot of iteration 8 is the newest complete one; the reshard at 10 never finished
+    assert "resuming from the in-memory snapshot" in text and "iter_0000008" in text, text[-4000:]
+    assert_matches_reference(text, reference)
+    (rec,) = recovery_times(text)
+    assert rec["restart"] == 1 and rec["resumed"] == 8 and rec["repeated"] == 2, rec
+    print(f"\nkill during a live reshard: {rec}")
+
+
+def submit(port: int, request: dict) -> None:
+    """An operator request to the job's control store (waits for the store to come up)."""
+    from megadyn.elastic.control import ControlChannel, connect
+
+    ControlChannel(connect("127.0.0.1", port, is_server=False, timeout_s=120)).submit(request)
