@@ -13,9 +13,10 @@ import sys
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.training.arguments import distributed_timeout, parse_args
+from megadyn.training.arguments import distributed_timeout
 from megadyn.training.config import ConfigError
-from megadyn.training.distributed_init import init_distributed
+from megadyn.training.distributed_init import init_distributed, restart_count
+from megadyn.training.replan import config_for_world
 from megadyn.training.trainer import Trainer
 from megadyn.training.watchdog import Watchdog
 
@@ -29,8 +30,15 @@ def main(argv: list[str] | None = None):
 
         argv.remove("--default-job")
         argv = default_job_argv(argv, world, device.type == "cuda")
+    restart = restart_count()
     try:
-        cfg = parse_args(argv, world)
+        cfg = config_for_world(
+            argv,
+            world,
+            restarted=bool(restart),
+            device_type=device.type,
+            print_fn=print if dist.get_rank() == 0 else None,
+        )
     except ConfigError as e:
         if dist.get_rank() == 0:
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ from megadyn.core.tensor_parallel.layers import vocab_range
 from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib
 
 
-def _gpu_memory_gib(device_type: str) -> float | None:
+def device_memory_gib(device_type: str) -> float | None:
     if device_type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
@@ -29,7 +29,6 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost
     standby = [r for r in live if r not in members]
     old = groups.layout
     action = request.get("action", "layout")
-    t = cfg.training
     if action == "layout":
         tp, pp = int(request.get("tp", old.tp)), int(request.get("pp", old.pp))
         n = int(request.get("members", len(members)))
@@ -43,17 +42,8 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost
         if cfg.parallel.elastic_layout == "pinned":
             layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
         else:
-            gpu = _gpu_memory_gib("cuda" if groups.backend == "nccl" else "cpu") or 1e9
-            choice = LayoutPlanner(
-                model_cfg,
-                global_batch_size=t.global_batch_size,
-                seq_length=cfg.data.seq_length,
-                gpu_memory_gib=gpu,
-                cost=cost,
-                micro_batch_sizes=(t.micro_batch_size,),  # the running job's; layout only
-                recomputes=(t.recompute,),
-            ).choose(n)
-            layout = choice.layout
+            device_type = "cuda" if groups.backend == "nccl" else "cpu"
+            layout = plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
     else:
         raise LayoutError(f"unknown request action {action!r} (use 'layout' or 'scale')")
     if n < cfg.parallel.elastic_min_members:
@@ -69,6 +59,26 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost
     check_layout(layout, model_cfg, cfg)
     released = [r for r in members if r not in new_members] if request.get("release") else []
     return layout, new_members, released
+
+
+def plan_layout(model_cfg, cfg, num_members: int, *, device_type: str, cost=None) -> Layout:
+    """The layout planner's fastest layout for `num_members` that keeps the running micro batch
+    size and recomputation (a scale request, and a restart whose world the job's layout does
+    not fit); raises LayoutError when none fits."""
+    t = cfg.training
+    return (
+        LayoutPlanner(
+            model_cfg,
+            global_batch_size=t.global_batch_size,
+            seq_length=cfg.data.seq_length,
+            gpu_memory_gib=device_memory_gib(device_type) or 1e9,
+            cost=cost,
+            micro_batch_sizes=(t.micro_batch_size,),
+            recomputes=(t.recompute,),
+        )
+        .choose(num_members)
+        .layout
+    )
 
 
 def check_layout(layout: Layout, model_cfg, cfg) -> None:
@@ -93,7 +103,7 @@ def check_layout(layout: Layout, model_cfg, cfg) -> None:
         raise LayoutError(
             f"vocabulary of {model_cfg.vocab_size} leaves the last of {layout.tp} tp ranks no rows"
         )
-    gpu = _gpu_memory_gib("cuda")
+    gpu = device_memory_gib("cuda")
     if gpu is not None:
         need = memory_gib(
             model_cfg,

@@ -49,6 +49,7 @@ __all__ = [
     "distributed_timeout",
     "dump_args",
     "parse_args",
+    "parse_config",
     "validate",
 ]
 
@@ -230,15 +231,21 @@ def distributed_timeout(argv: Sequence[str]) -> timedelta:
 
 def parse_args(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
     """Parse and check a command line for a job of `world_size` processes."""
+    cfg = parse_config(argv, world_size)
+    validate(cfg, world_size)
+    return cfg
+
+
+def parse_config(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
+    """Parse a command line without `validate` (megadyn/training/replan.py changes the layout
+    of a config that does not fit `world_size`, then validates it)."""
     try:
         ns, unknown = build_parser().parse_known_args(argv)
     except argparse.ArgumentError as err:
         raise ConfigError(f"{err.argument_name}: {err.message}") from err
     if unknown:
         raise ConfigError(f"{unknown[0]}: unrecognized argument (megadyn's pretrain_gpt.py)")
-    cfg = _to_config(vars(ns), world_size)
-    validate(cfg, world_size)
-    return cfg
+    return _to_config(vars(ns), world_size)
 
 
 def _section(values: dict[str, Any], name: str) -> dict[str, Any]:

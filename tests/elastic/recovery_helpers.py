@@ -45,11 +45,14 @@ def torchrun_cmd(
     *,
     nproc: int,
     endpoint: str,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     max_restarts: int = 2,
     run_id: str = "recovery-test",
+    rdzv_conf: str | None = None,
 ) -> list[str]:
-    """A torchrun command line with c10d rendezvous at `endpoint` (one agent per node)."""
+    """A torchrun command line with c10d rendezvous at `endpoint` (one agent per node);
+    `nnodes` may be a range ("1:2"), `rdzv_conf` torchrun's --rdzv-conf."""
+    conf = ["--rdzv-conf", rdzv_conf] if rdzv_conf else []
     return [
         sys.executable,
         "-m",
@@ -66,6 +69,7 @@ def torchrun_cmd(
         endpoint,
         "--rdzv-id",
         run_id,
+        *conf,
         *script_and_args,
     ]
 

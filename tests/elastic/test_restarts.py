@@ -1,6 +1,9 @@
 """Restart path under torchrun beyond a plain `kill -9`: a hung (stopped) worker is named by the
-heartbeats and the job restarts; the restarted job logs its recovery time."""
+heartbeats and the job restarts; a worker killed during a live reshard (elastic mode); a lost
+host, after which the survivors continue on a layout planned for their number. Each restarted
+job logs its recovery time, and trains exactly like an uninterrupted run."""
 
+import contextlib
 import json
 import os
 import signal
@@ -27,26 +30,40 @@ from megadyn.training.watchdog import Watchdog, read_previous_attempt
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
-def run_job(cmd: list[str], on_line, deadline_s: float = 240, env=None) -> tuple[int, str]:
-    """Run a torchrun job to its end; `on_line(line, job)` sees every output line. Every process
-    the test stopped or started is killed at the end, whatever happened."""
+def run_torchrun(cmds, on_line=None, *, env=None, stagger_s=1.0, deadline_s=240):
+    """Start one torchrun agent per command (one per simulated host, `stagger_s` apart) and wait
+    for all of them; `on_line(line, agents)` sees every output line as it comes. Returns the
+    agents' exit codes and the merged output. Every agent and worker is killed at the end."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-    job = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    log, deadline = [], time.monotonic() + deadline_s
+    read, write = os.pipe()
+    agents = []
+
+    def kill_all():
+        for agent in agents:
+            for pid in workers_of(agent.pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            agent.kill()
+
+    timer = threading.Timer(deadline_s, kill_all)
+    timer.start()
     try:
-        for line in job.stdout:
-            log.append(line)
-            on_line(line, job)
-            if time.monotonic() > deadline:
-                break
-        return job.wait(timeout=60), "".join(log)
+        for i, cmd in enumerate(cmds):
+            time.sleep(stagger_s if i else 0)
+            agents.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=write, stderr=subprocess.STDOUT)
+            )
+        os.close(write)
+        log = []
+        with os.fdopen(read) as stream:
+            for line in stream:  # ends once every agent and worker closed its output
+                log.append(line)
+                if on_line is not None:
+                    on_line(line, agents)
+        return [agent.wait(timeout=60) for agent in agents], "".join(log)
     finally:
-        for pid in workers_of(job.pid):
-            os.kill(pid, signal.SIGKILL)
-        job.kill()
-        job.wait()
+        timer.cancel()
+        kill_all()
 
 
 def test_the_previous_attempt_is_read_from_its_heartbeats():
@@ -86,15 +103,15 @@ def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
     )
     stopped = {}
 
-    def on_line(line, job):
+    def on_line(line, agents):
         m = LINE.search(line)
         if m and int(m.group(1)) >= 10 and not stopped:  # hang a worker: SIGSTOP, not a kill
-            pid = sorted(workers_of(job.pid))[1]
+            pid = sorted(workers_of(agents[0].pid))[1]
             stopped.update(pid=pid, rank=rank_of(pid), at=time.monotonic())
             os.kill(pid, signal.SIGSTOP)
 
     try:
-        rc, text = run_job(cmd, on_line)
+        (rc,), text = run_torchrun([cmd], on_line)
     finally:
         if stopped:
             try:
@@ -138,7 +155,7 @@ def test_elastic_mode_resumes_after_a_kill_during_a_live_reshard(tmp_path):
     request = {"action": "layout", "tp": 1, "pp": 2, "members": 4, "at_iteration": 10}
     submitted = threading.Thread(target=submit, args=(port, request), daemon=True)
     submitted.start()
-    rc, text = run_job(cmd, lambda line, job: None, env={"KILL_RANK": "1"})
+    (rc,), text = run_torchrun([cmd], env={"KILL_RANK": "1"})
     assert rc == 0, text[-4000:]
     assert " test: rank 1 killed during the reshard" in text, text[-4000:]
     # the snapshot of iteration 8 is the newest complete one; the reshard at 10 never finished
@@ -154,3 +171,54 @@ def submit(port: int, request: dict) -> None:
     from megadyn.elastic.control import ControlChannel, connect
 
     ControlChannel(connect("127.0.0.1", port, is_server=False, timeout_s=120)).submit(request)
+
+
+def group_rank_of(agent_pid: int) -> int:
+    """GROUP_RANK (node rank) that torchrun gave the workers of agent `agent_pid`."""
+    (pid, *_) = workers_of(agent_pid)
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"GROUP_RANK"])
+
+
+def test_a_lost_host_leaves_two_workers_on_a_new_layout(tmp_path):
+    # two simulated hosts: two torchrun agents of 2 workers each under --nnodes 1:2, one c10d
+    # endpoint; the first agent hosts the rendezvous store (is_host) and is node rank 0
+    iters = 24
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
+    endpoint = f"127.0.0.1:{free_port()}"
+    script = [
+        "pretrain_gpt.py",
+        *args(iters),
+        *TP2_PP2,
+        "--elastic-snapshot-interval",
+        "4",
+        "--elastic-snapshot-dir",
+        str(tmp_path / "shm"),
+    ]
+    # a lost host counts as gone after keep_alive_interval x keep_alive_max_attempt seconds
+    conf = "join_timeout=60,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,is_host="
+    cmds = [
+        torchrun_cmd(script, nproc=2, endpoint=endpoint, nnodes="1:2", rdzv_conf=conf + h)
+        for h in ("1", "0")
+    ]
+    lost = {}
+
+    def on_line(line, agents):
+        m = LINE.search(line)
+        if m and int(m.group(1)) >= 10 and not lost:  # the second host goes away
+            lost["group_rank"] = group_rank_of(agents[1].pid)
+            for pid in workers_of(agents[1].pid):
+                os.kill(pid, signal.SIGKILL)
+            agents[1].kill()
+
+    (survivor, gone), text = run_torchrun(cmds, on_line)
+    assert survivor == 0 and gone == -signal.SIGKILL, text[-4000:]
+    assert lost["group_rank"] == 1, "the agent started second must be node rank 1"
+    assert " megadyn: 4 processes, layout tp=2 pp=2 dp=1" in text, text[-4000:]
+    assert "the restart came back with 2 processes" in text, text[-4000:]
+    assert " megadyn: 2 processes, layout tp=1 pp=2" in text, text[-4000:]
+    assert_matches_reference(text, reference)  # no iteration missing, the same losses
+    (rec,) = recovery_times(text)
+    assert rec["restart"] == 1 and rec["resumed"] in (8, 12), rec
+    print(f"\nlost host, 4 -> 2 workers: {rec}")
