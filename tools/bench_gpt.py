@@ -67,12 +67,6 @@ def parse() -> argparse.Namespace:
         "--tp-comm-overlap", action="store_true", help="overlap SP collectives with GEMMs"
     )
     p.add_argument(
-        "--tp-comm-overlap-impl",
-        choices=["auto", "collectives", "symm_mem"],
-        default="auto",
-        help="how --tp-comm-overlap overlaps (megadyn/core/tensor_parallel/overlap.py)",
-    )
-    p.add_argument(
         "--fused-loss",
         choices=["auto", "on", "off"],
         default="auto",
@@ -129,7 +123,7 @@ def main() -> None:
         untie_embeddings_and_output_weights=True,
         params_dtype=torch.bfloat16,
         gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
-        tp_comm_overlap=a.tp_comm_overlap and a.tp_comm_overlap_impl,
+        tp_comm_overlap=a.tp_comm_overlap,
         fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
         attention_backend=a.attention_backend,
     )

@@ -2,9 +2,10 @@
 # On a GPU machine: megadyn's benchmark and Megatron-Core's reference benchmark on the reference
 # rows of shared/bench/README.md, in one command, then a table of ratios (tools/bench_table.py).
 # Usage: bash scripts/gpu/bench_compare.sh OUTDIR [ITERS]   (needs .whl/ and .bench/, see BENCHMARKS.md)
-# ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run.
+# ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run;
+# ROW_TIMEOUT (s, default 300) stops a run that hangs.
 set -uo pipefail
-OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; mkdir -p "$OUT"
+OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; ROW_TIMEOUT=${ROW_TIMEOUT:-300}; mkdir -p "$OUT"
 ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp tp2_sp_overlap"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 ROWS=(  # name nproc args
@@ -22,7 +23,7 @@ for row in "${ROWS[@]}"; do
   for fw in mcore megadyn; do
     script=.bench/mcore_gpt_bench.py; extra=""
     [ $fw = megadyn ] && script=tools/bench_gpt.py && extra=$MEGADYN_ARGS
-    torchrun --standalone --nproc-per-node "$n" $script $args $extra --iters "$ITERS" --warmup 3 \
+    timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" $script $args $extra --iters "$ITERS" --warmup 3 \
       > "$OUT/${fw}_${name}.log" 2>&1 || tail -5 "$OUT/${fw}_${name}.log"
     grep '^{' "$OUT/${fw}_${name}.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
   done
@@ -30,13 +31,12 @@ done
 EXTRA=(  # megadyn-only rows (Megatron-Core's local spec refuses sequence parallelism)
   "tp2_sp|2|--tp 2 --sp"
   "tp2_sp_overlap|2|--tp 2 --sp --tp-comm-overlap"
-  "tp2_sp_overlap_collectives|2|--tp 2 --sp --tp-comm-overlap --tp-comm-overlap-impl collectives"
   "dp4_no_param_overlap|4|--gbs 32 --no-overlap-param-gather"
 )
 for row in "${EXTRA[@]}"; do
   IFS='|' read -r name n args <<< "$row"
   [[ " $ONLY " == *" $name "* ]] || continue
-  torchrun --standalone --nproc-per-node "$n" tools/bench_gpt.py $args $MEGADYN_ARGS \
+  timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" tools/bench_gpt.py $args $MEGADYN_ARGS \
     --iters "$ITERS" --warmup 3 > "$OUT/megadyn_$name.log" 2>&1 || tail -5 "$OUT/megadyn_$name.log"
   grep '^{' "$OUT/megadyn_$name.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
 done

@@ -20,15 +20,20 @@ run() {  # name nproc flags...
 }
 run plain 1 "${PLAIN[@]}"
 run fast 1
-run cudnn_attention 1 --attention-backend fused --no-gradient-accumulation-fusion --no-cross-entropy-loss-fusion
-run wgrad_fusion 1 --attention-backend flash --no-cross-entropy-loss-fusion
-run fused_loss 1 --attention-backend flash --no-gradient-accumulation-fusion
-logs=(plain.log fast.log cudnn_attention.log wgrad_fusion.log fused_loss.log)
+logs=(plain.log fast.log)
+if [ "${ABLATIONS:-1}" = 1 ]; then  # one switch at a time (ABLATIONS=0 skips them)
+  run cudnn_attention 1 --attention-backend fused --no-gradient-accumulation-fusion --no-cross-entropy-loss-fusion
+  run wgrad_fusion 1 --attention-backend flash --no-cross-entropy-loss-fusion
+  run fused_loss 1 --attention-backend flash --no-gradient-accumulation-fusion
+  logs+=(cudnn_attention.log wgrad_fusion.log fused_loss.log)
+fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  run tp2 2 --tensor-model-parallel-size 2
   run tp2_sp_plain 2 --tensor-model-parallel-size 2 --sequence-parallel "${PLAIN[@]}"
   run tp2_sp_fast 2 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap
   run dp2_plain 2 "${PLAIN[@]}"
   run dp2_param_overlap 2 "${PLAIN[@]}" --overlap-param-gather
-  logs+=(tp2_sp_plain.log tp2_sp_fast.log dp2_plain.log dp2_param_overlap.log)
+  logs+=(tp2.log tp2_sp_plain.log tp2_sp_fast.log dp2_plain.log dp2_param_overlap.log)
 fi
 cd "$OUT" && python3 "$OLDPWD/tools/compare_losses.py" "${logs[@]}"
+[ -f dp2_plain.log ] && python3 "$OLDPWD/tools/compare_losses.py" dp2_plain.log dp2_param_overlap.log

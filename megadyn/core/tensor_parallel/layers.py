@@ -79,14 +79,6 @@ def divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def overlap_impl(tp_comm_overlap: bool | str, sequence_parallel: bool, tp_group) -> str | None:
-    """The overlap implementation a layer runs (overlap.py), or None when it does not overlap:
-    only under sequence parallelism over more than one rank; True means "auto"."""
-    if not tp_comm_overlap or not sequence_parallel or group_size(tp_group) == 1:
-        return None
-    return "auto" if tp_comm_overlap is True else tp_comm_overlap
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split along its output dimension: [out/tp, in] per rank.
 
@@ -106,14 +98,14 @@ class ColumnParallelLinear(nn.Module):
         local_output_size: int | None = None,
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
-        tp_comm_overlap: bool | str = False,
+        tp_comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.grad_accumulation_fusion = grad_accumulation_fusion
-        self.tp_comm_overlap = overlap_impl(tp_comm_overlap, sequence_parallel, tp_group)
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel and group_size(tp_group) > 1
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp = group_size(tp_group)
@@ -129,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         fuse = own_weight and self.grad_accumulation_fusion
         if self.tp_comm_overlap and torch.is_grad_enabled():
             y = column_sequence_parallel_linear(  # [s, b, out/tp]
-                x, weight, self.bias, self.tp_group, fuse_wgrad(weight, fuse), self.tp_comm_overlap
+                x, weight, self.bias, self.tp_group, fuse_wgrad(weight, fuse)
             )
             if self.gather_output:
                 y = gather_from_region(y, self.tp_group)  # [s, b, out]
@@ -160,7 +152,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
-        tp_comm_overlap: bool | str = False,
+        tp_comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -168,7 +160,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.grad_accumulation_fusion = grad_accumulation_fusion
-        self.tp_comm_overlap = overlap_impl(tp_comm_overlap, sequence_parallel, tp_group)
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel and group_size(tp_group) > 1
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
         self.bias = (
@@ -180,9 +172,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm_overlap and torch.is_grad_enabled():
             fuse = fuse_wgrad(self.weight, self.grad_accumulation_fusion)
-            y = row_sequence_parallel_linear(  # [s/tp, b, out]
-                x, self.weight, self.tp_group, fuse, self.tp_comm_overlap
-            )
+            y = row_sequence_parallel_linear(x, self.weight, self.tp_group, fuse)  # [s/tp, b, out]
             return y + self.bias if self.bias is not None else y
         y = _linear(x, self.weight, None, self.grad_accumulation_fusion)  # partial sums [s, b, out]
         if self.sequence_parallel:
