@@ -11,7 +11,9 @@ copies, the tied embedding on the last stage) are written once.
 
 A save writes into a hidden directory and is renamed into place by rank 0 only after every
 rank finished; the tracker file moves after that. A process killed mid-save leaves the previous
-checkpoint as the latest.
+checkpoint as the latest. A directory counts as complete only when both marker files are there
+and every storage file that `.metadata` references is present with at least the bytes the
+metadata places in it (`missing_pieces`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,7 @@ from megadyn.training.checkpoint_items import (
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "megadyn.json"
+METADATA = ".metadata"
 
 
 class CheckpointError(RuntimeError):
@@ -57,10 +62,38 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def required_pieces(path: str) -> dict[str, int] | None:
+    """{storage file: least size in bytes} that the checkpoint's `.metadata` references, with
+    `.metadata` itself; None when the metadata is missing or unreadable."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except (OSError, ValueError, EOFError, AttributeError, pickle.UnpicklingError):
+        return None
+    need = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    return need
+
+
+def missing_pieces(path: str) -> list[str]:
+    """The files a checkpoint directory lacks (or holds shorter than its metadata says)."""
+    need = required_pieces(path)
+    if need is None:
+        return [METADATA]
+    missing = [name for name, size in sorted(need.items()) if _size(path, name) < size]
+    return missing + ([STATE_FILE] if not os.path.isfile(os.path.join(path, STATE_FILE)) else [])
+
+
+def _size(path: str, name: str) -> int:
+    try:
+        return os.path.getsize(os.path.join(path, name))
+    except OSError:
+        return -1
+
+
 def _complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isfile(
-        os.path.join(path, ".metadata")
-    )
+    return os.path.isdir(path) and not missing_pieces(path)
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -79,12 +112,45 @@ def latest_checkpoint(root: str) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
+def find_checkpoint(path: str) -> str | None:
+    """What `--load path` names: the directory itself when it is a complete checkpoint, else
+    the newest complete one under it; `path` itself when it holds only incomplete ones (loading
+    it then says what they lack); None when it holds no checkpoint at all."""
+    if _complete(path):
+        return path
+    return latest_checkpoint(path) or (path if _why_incomplete(path) else None)
+
+
+def checkpoint_iteration(path: str) -> int:
+    """The iteration a complete checkpoint directory was saved at; -1 when unreadable."""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            return int(json.load(f)["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def _why_incomplete(path: str) -> str | None:
+    """What the checkpoint at `path` (or the newest under it) lacks; None: no checkpoint."""
+    if not any(os.path.exists(os.path.join(path, n)) for n in (METADATA, STATE_FILE)):
+        dirs = (
+            sorted(d for d in os.listdir(path) if d.startswith("iter_"))
+            if os.path.isdir(path)
+            else []
+        )
+        if not dirs:
+            return None
+        path = os.path.join(path, dirs[-1])
+    return f"{path} lacks {', '.join(missing_pieces(path))}"
+
+
 class PendingSave:
     """A save whose files are being written; `finish()` makes it the latest checkpoint."""
 
-    def __init__(self, root, iteration, tmp, meta, future, keep_last, group):
+    def __init__(self, root, iteration, tmp, meta, future, keep_last, group, leader):
         self.root, self.iteration, self.tmp, self.meta = root, iteration, tmp, meta
         self.future, self.keep_last, self.group = future, keep_last, group
+        self.leader = leader
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -94,7 +160,7 @@ class PendingSave:
             self.future.result()
         dist.barrier(group=self.group)
         final = iter_dir(self.root, self.iteration)
-        if dist.get_rank(self.group) == 0:
+        if self.leader:
             _atomic_write(os.path.join(self.tmp, STATE_FILE), json.dumps(self.meta, indent=1))
             if os.path.exists(final):  # saved again at the same iteration: replace it
                 shutil.rmtree(final)
@@ -124,22 +190,31 @@ def save_checkpoint(
     keep_last=None,
     async_save=False,
     group=None,
+    leader: bool | None = None,
+    after_write: Callable[[str], None] | None = None,
 ) -> PendingSave:
-    """Write the training state of this rank; returns a `PendingSave` (finished unless async)."""
-    items = local_items(chunks, groups, optimizer)
+    """Write the training state of this rank; returns a `PendingSave` (finished unless async).
+
+    `leader`: this rank prepares and renames the directory on its file system (default: rank 0
+    of `group`; several ranks when `root` is a different directory on each host).
+    `after_write(tmp)` runs after this rank's files are written, before the save can finish (in
+    the background thread when async; collectives in it use `group`). An asynchronous save
+    writes copies of the tensors, so training may go on meanwhile."""
+    items = local_items(chunks, groups, optimizer, device="cpu" if async_save else None)
     items.update(rng_items(groups, chunks))
     tmp = os.path.join(root, f".iter_{iteration:07d}.partial")
-    if dist.get_rank(group) == 0:
+    leader = dist.get_rank(group) == 0 if leader is None else leader
+    if leader:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     dist.barrier(group=group)
     meta = dict(meta, iteration=iteration, layout=dataclasses.asdict(groups.layout))
     if async_save:
-        future = _BACKGROUND.submit(_save, items, tmp, group)
+        future = _BACKGROUND.submit(_save, items, tmp, group, after_write)
     else:
-        _save(items, tmp, group)
+        _save(items, tmp, group, after_write)
         future = None
-    pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group)
+    pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group, leader)
     if not async_save:
         pending.finish()
     return pending
@@ -148,10 +223,12 @@ def save_checkpoint(
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megadyn-ckpt")
 
 
-def _save(items, path, group) -> None:
+def _save(items, path, group, after_write) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(items, checkpoint_id=path, process_group=group)
+    if after_write is not None:
+        after_write(path)
 
 
 def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rng=True) -> dict:
@@ -160,9 +237,8 @@ def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
     if not _complete(path):
         found = latest_checkpoint(path)
         if found is None:
-            raise CheckpointError(
-                f"--load {path}: no complete checkpoint found (no {STATE_FILE} and .metadata)"
-            )
+            detail = _why_incomplete(path) or f"no {STATE_FILE} and {METADATA}"
+            raise CheckpointError(f"--load {path}: no complete checkpoint found ({detail})")
         path = found
     try:
         with open(os.path.join(path, STATE_FILE)) as f:

@@ -79,8 +79,9 @@ def local_items(chunks, groups, optimizer=None, *, empty: bool = False, device=N
                 t = (
                     torch.empty(param.shape, dtype=torch.float32, device=param.device)
                     if empty
-                    else state[key]
+                    else state[key]  # a copy already
                 )
+                t = t if device is None else t.to(device)
                 items[f"optim.{name}.{key}"] = _item(t, spec, chunk.cfg, groups)
     return items
 

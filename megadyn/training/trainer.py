@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import functools
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.data.sampler import micro_batch_indices
 from megadyn.models import build_gpt_chunks, masked_mean
 from megadyn.training import checkpoint as ckpt
+from megadyn.training import snapshots
 from megadyn.training.arguments import dump_args
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
@@ -48,10 +50,6 @@ from megadyn.training.wandb_logger import create_wandb_logger
 
 def lm_loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
     return masked_mean(per_token_loss, batch["loss_mask"])
-
-
-def _iteration(path: str) -> int:
-    return int(os.path.basename(path.rstrip("/")).split("_")[-1])
 
 
 @dataclass
@@ -398,12 +396,15 @@ class Trainer:
             )
 
     def snapshot(self) -> None:
-        """An in-memory snapshot (a DCP checkpoint in host shared memory, written by a
-        background thread); it becomes usable when `finish_snapshot` runs at the next step."""
+        """An in-memory snapshot: a DCP checkpoint in this host's snapshot dir (host shared
+        memory), written and copied to a peer rank on another host by a background thread over
+        the gloo members group (megadyn/training/snapshots.py); it becomes usable when
+        `finish_snapshot` runs at the next step."""
         self.finish_snapshot()
-        root = self.cfg.parallel.elastic_snapshot_dir
+        group = self.groups.members_group
+        hosts = snapshots.HostMap.gather(group)
         self._snapshot = ckpt.save_checkpoint(
-            root,
+            snapshots.snapshot_root(self.cfg.parallel.elastic_snapshot_dir),
             self.state.iteration,
             self.chunks,
             self.optimizer,
@@ -411,6 +412,9 @@ class Trainer:
             self._meta(),
             keep_last=2,
             async_save=True,
+            group=group,
+            leader=hosts.is_leader(dist.get_rank(group)),
+            after_write=functools.partial(snapshots.copy_to_peer, hosts=hosts, group=group),
         )
 
     def finish_snapshot(self) -> None:
@@ -419,30 +423,51 @@ class Trainer:
             pending.finish()
         self._snapshot = None
 
+    def drop_snapshots(self) -> None:
+        """The run is done: every member removes its host's snapshot dir (collective over the
+        members group, so that no rank still writes or reads one)."""
+        if not self.cfg.parallel.elastic_snapshot_interval:
+            return
+        self.finish_snapshot()
+        dist.barrier(group=self.groups.members_group)
+        root = snapshots.snapshot_root(self.cfg.parallel.elastic_snapshot_dir)
+        shutil.rmtree(root, ignore_errors=True)
+
     def resume(self) -> None:
-        """Continue from the newest complete in-memory snapshot, else from --load (logged)."""
-        snap = (
-            ckpt.latest_checkpoint(self.cfg.parallel.elastic_snapshot_dir)
-            if self.cfg.parallel.elastic_snapshot_interval
-            else None
-        )
-        load = self.cfg.checkpoint.load
-        disk = ckpt.latest_checkpoint(load) if load and os.path.isdir(load) else None
-        if load and disk is None and os.path.isfile(os.path.join(load, ".metadata")):
-            disk = load
-        if snap is not None and (disk is None or _iteration(snap) >= _iteration(disk)):
-            if self.logs:
-                self.print(f" recovery: resuming from the in-memory snapshot {snap}", flush=True)
-            self.load(snap)
+        """Continue from the newest in-memory snapshot whose every piece exists on some host
+        (copying pieces to the hosts that lack them), else from --load; the log says which
+        and why. Snapshots that exist but lack a piece everywhere, with no disk checkpoint to
+        fall back to, are an error rather than a fresh start."""
+        p, load = self.cfg.parallel, self.cfg.checkpoint.load
+        disk = ckpt.find_checkpoint(load) if load else None
+        say = self.print if self.logs else (lambda *a, **k: None)
+        found, root = snapshots.Recovery(), snapshots.snapshot_root(p.elastic_snapshot_dir)
+        if p.elastic_snapshot_interval:
+            group = self.groups.members_group
+            found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
+        usable = found.iteration is not None
+        if usable and (disk is None or found.iteration >= ckpt.checkpoint_iteration(disk)):
+            path = snapshots.gather_snapshot(found, root, self.groups.members_group)
+            for line in found.passed_over(root) + found.copies():
+                say(f" recovery: {line}", flush=True)
+            say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
+            self.load(path)
         elif disk is not None:
-            if snap is None and self.cfg.parallel.elastic_snapshot_interval and self.logs:
-                self.print(
-                    f" recovery: no complete in-memory snapshot; falling back to the disk checkpoint {disk}",
+            if p.elastic_snapshot_interval and not usable:
+                why = "".join(f" ({line})" for line in found.passed_over(root)[:1])
+                say(
+                    f" recovery: no complete in-memory snapshot{why}; falling back to the disk "
+                    f"checkpoint {disk}",
                     flush=True,
                 )
             self.load(disk)
-        elif load and self.logs:
-            self.print(f" --load {load}: no checkpoint found, training from scratch", flush=True)
+        elif found.any_snapshot and not usable:
+            raise ckpt.CheckpointError(
+                f"recovery: {found.passed_over(root)[0]}, and there is no disk checkpoint "
+                f"to fall back to (--load {load or 'not given'}); refusing to train from scratch"
+            )
+        elif load:
+            say(f" --load {load}: no checkpoint found, training from scratch", flush=True)
 
     def finish_saves(self) -> None:
         pending = getattr(self, "_pending", None)

@@ -1,16 +1,21 @@
 """Shared pieces of megadyn's recovery-path tests (torchrun restarts from in-memory snapshots).
 
 cmd = torchrun_cmd(["pretrain_gpt.py", *args(40)], nproc=4, endpoint=f"127.0.0.1:{port}")
-job = subprocess.Popen(cmd, cwd=REPO, ...)
-os.kill(sorted(workers_of(job.pid))[1], signal.SIGKILL)    # one worker of that agent
-losses = losses_by_iteration(log_text)                     # the last value of each step
+codes, text = run_torchrun([cmd], on_line)  # on_line(line, agents) may kill workers:
+os.kill(sorted(workers_of(agents[0].pid))[1], signal.SIGKILL)   # one worker of that agent
+assert_matches_reference(text, reference)   # every step logged, with the reference's loss
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from test_live_reconfiguration import ARGS  # noqa: E402
@@ -109,3 +114,39 @@ def rank_of(pid: int) -> int:
     with open(f"/proc/{pid}/environ", "rb") as f:
         env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     return int(env[b"RANK"])
+
+
+def run_torchrun(cmds, on_line=None, *, env=None, stagger_s=1.0, deadline_s=240):
+    """Start one torchrun agent per command (one per simulated host, `stagger_s` apart) and wait
+    for all of them; `on_line(line, agents)` sees every output line as it comes. Returns the
+    agents' exit codes and the merged output. Every agent and worker is killed at the end."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    read, write = os.pipe()
+    agents = []
+
+    def kill_all():
+        for agent in agents:
+            for pid in workers_of(agent.pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            agent.kill()
+
+    timer = threading.Timer(deadline_s, kill_all)
+    timer.start()
+    try:
+        for i, cmd in enumerate(cmds):
+            time.sleep(stagger_s if i else 0)
+            agents.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=write, stderr=subprocess.STDOUT)
+            )
+        os.close(write)
+        log = []
+        with os.fdopen(read) as stream:
+            for line in stream:  # ends once every agent and worker closed its output
+                log.append(line)
+                if on_line is not None:
+                    on_line(line, agents)
+        return [agent.wait(timeout=60) for agent in agents], "".join(log)
+    finally:
+        timer.cancel()
+        kill_all()

@@ -3,22 +3,20 @@ heartbeats and the job restarts; a worker killed during a live reshard (elastic 
 host, after which the survivors continue on a layout planned for their number. Each restarted
 job logs its recovery time, and trains exactly like an uninterrupted run."""
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import torch.distributed as dist
 from recovery_helpers import (  # noqa: E402
     LINE,
-    REPO,
     args,
     assert_matches_reference,
     rank_of,
     recovery_times,
+    run_torchrun,
     torchrun_cmd,
     workers_of,
 )
@@ -28,42 +26,6 @@ from megadyn.training.distributed_init import attempt_prefix
 from megadyn.training.watchdog import Watchdog, read_previous_attempt
 
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-
-
-def run_torchrun(cmds, on_line=None, *, env=None, stagger_s=1.0, deadline_s=240):
-    """Start one torchrun agent per command (one per simulated host, `stagger_s` apart) and wait
-    for all of them; `on_line(line, agents)` sees every output line as it comes. Returns the
-    agents' exit codes and the merged output. Every agent and worker is killed at the end."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-    read, write = os.pipe()
-    agents = []
-
-    def kill_all():
-        for agent in agents:
-            for pid in workers_of(agent.pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            agent.kill()
-
-    timer = threading.Timer(deadline_s, kill_all)
-    timer.start()
-    try:
-        for i, cmd in enumerate(cmds):
-            time.sleep(stagger_s if i else 0)
-            agents.append(
-                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=write, stderr=subprocess.STDOUT)
-            )
-        os.close(write)
-        log = []
-        with os.fdopen(read) as stream:
-            for line in stream:  # ends once every agent and worker closed its output
-                log.append(line)
-                if on_line is not None:
-                    on_line(line, agents)
-        return [agent.wait(timeout=60) for agent in agents], "".join(log)
-    finally:
-        timer.cancel()
-        kill_all()
 
 
 def test_the_previous_attempt_is_read_from_its_heartbeats():
