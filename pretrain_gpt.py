@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import torch.distributed as dist
@@ -75,8 +74,7 @@ def train(cfg, device, watchdog: Watchdog | None) -> list[float]:
     trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook if watchdog else None)
     trainer.resume()
     history = trainer.train()
-    if cfg.parallel.elastic_snapshot_interval and dist.get_rank() == 0:
-        shutil.rmtree(cfg.parallel.elastic_snapshot_dir, ignore_errors=True)  # the run is done
+    trainer.drop_snapshots()  # the run is done: every host's snapshot dir goes
     groups.destroy()
     return history
 

@@ -101,8 +101,9 @@ class ParallelConfig:
     """Largest transfer chunk while resharding, which bounds the extra memory per rank, in MiB
     (--elastic-reshard-chunk-mb)."""
     elastic_snapshot_dir: str = ""
-    """Where in-memory snapshots go (--elastic-snapshot-dir); default
-    /dev/shm/megadyn-<torchrun run id>, host shared memory that outlives the workers."""
+    """Where in-memory snapshots go on each host (--elastic-snapshot-dir); default
+    /dev/shm/megadyn-<torchrun run id>, host shared memory that outlives the workers.
+    Environment variables in it are expanded on each host (e.g. /dev/shm/ckpt-$MEGADYN_HOST)."""
     elastic_control_port: int | None = None
     """Port of the control store that rank 0 hosts for tools/elastic_ctl.py; setting it (or
     --elastic-initial-members) turns live reconfiguration on (--elastic-control-port)."""

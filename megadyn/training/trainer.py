@@ -121,6 +121,7 @@ class Trainer:
                 groups.dp_group,
                 overlap_grad_reduce=p.overlap_grad_reduce,
                 use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                overlap_param_gather=p.overlap_param_gather,
                 bucket_size=ddp_bucket_size(cfg, groups.dp_size),
             )
             for c in self.chunks
@@ -146,6 +147,7 @@ class Trainer:
         """This rank's tensors of training state by global key (see megadyn/elastic/description):
         weights, and the fp32 main weights and Adam moments of the range this rank updates."""
         distributed = self.cfg.optimizer.use_distributed_optimizer
+        self.params_ready()
         out = {}
         for chunk in self.chunks:
             for name, param in chunk.named_parameters():
@@ -181,6 +183,12 @@ class Trainer:
             for j in range(n)
             for i in micro_batch_indices(consumed + j * mbs * dp_size, dp_rank, dp_size, mbs)
         ]
+
+    def params_ready(self) -> None:
+        """Wait for the parameter all-gathers left running by the last step (--overlap-param-
+        gather); needed before params are read outside a forward pass."""
+        for d in self.ddp:
+            d.finish_param_gather()
 
     def release(self) -> None:
         """Drop the layout-dependent parts (this process leaves the layout)."""
@@ -279,6 +287,7 @@ class Trainer:
             or self.state.iteration % self.cfg.checkpoint.save_interval
         ):
             self.save()
+        self.params_ready()
         self.finish_saves()
         self.wandb.finish()
         return history
@@ -378,6 +387,7 @@ class Trainer:
 
     def save(self) -> None:
         self.finish_saves()
+        self.params_ready()
         c = self.cfg.checkpoint
         meta = self._meta()
         self._pending = ckpt.save_checkpoint(
@@ -401,6 +411,7 @@ class Trainer:
         the gloo members group (megadyn/training/snapshots.py); it becomes usable when
         `finish_snapshot` runs at the next step."""
         self.finish_snapshot()
+        self.params_ready()
         group = self.groups.members_group
         hosts = snapshots.HostMap.gather(group)
         self._snapshot = ckpt.save_checkpoint(
