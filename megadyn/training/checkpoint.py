@@ -192,6 +192,7 @@ def save_checkpoint(
     group=None,
     leader: bool | None = None,
     after_write: Callable[[str], None] | None = None,
+    staging: dict | None = None,
 ) -> PendingSave:
     """Write the training state of this rank; returns a `PendingSave` (finished unless async).
 
@@ -199,8 +200,16 @@ def save_checkpoint(
     of `group`; several ranks when `root` is a different directory on each host).
     `after_write(tmp)` runs after this rank's files are written, before the save can finish (in
     the background thread when async; collectives in it use `group`). An asynchronous save
-    writes copies of the tensors, so training may go on meanwhile."""
-    items = local_items(chunks, groups, optimizer, device="cpu" if async_save else None)
+    writes host copies of the tensors, so training may go on meanwhile; `staging` keeps those
+    host buffers (pinned on GPUs) for the next save, whose copies then start without waiting
+    and are waited for by the writer thread."""
+    items = local_items(
+        chunks, groups, optimizer, device="cpu" if async_save else None, staging=staging
+    )
+    copied = None
+    if async_save and staging is not None and torch.cuda.is_available():
+        copied = torch.cuda.Event()
+        copied.record()
     items.update(rng_items(groups, chunks))
     tmp = os.path.join(root, f".iter_{iteration:07d}.partial")
     leader = dist.get_rank(group) == 0 if leader is None else leader
@@ -210,9 +219,10 @@ def save_checkpoint(
     dist.barrier(group=group)
     meta = dict(meta, iteration=iteration, layout=dataclasses.asdict(groups.layout))
     if async_save:
-        future = _BACKGROUND.submit(_save, items, tmp, group, after_write)
+        threads = SNAPSHOT_WRITERS if staging is not None else 1
+        future = _BACKGROUND.submit(_save, items, tmp, group, after_write, copied, threads)
     else:
-        _save(items, tmp, group, after_write)
+        _save(items, tmp, group, after_write, None)
         future = None
     pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group, leader)
     if not async_save:
@@ -220,13 +230,20 @@ def save_checkpoint(
     return pending
 
 
+SNAPSHOT_WRITERS = 4
+"""Writer threads per rank for saves staged in host memory (in-memory snapshots)."""
+
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megadyn-ckpt")
 
 
-def _save(items, path, group, after_write) -> None:
+def _save(items, path, group, after_write, copied, threads: int = 1) -> None:
+    if copied is not None:  # the device-to-host copies into the staging buffers
+        copied.synchronize()
+    # several writer threads for host-memory saves, whose files need no fsync
+    writer = dcp.FileSystemWriter(path, sync_files=threads == 1, thread_count=threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(items, checkpoint_id=path, process_group=group)
+        dcp.save(items, storage_writer=writer, process_group=group)
     if after_write is not None:
         after_write(path)
 

@@ -61,17 +61,33 @@ def _item(tensor: torch.Tensor, spec, cfg, groups):
     return sharded(tensor, pieces, rank, list(groups.tp_ranks))
 
 
-def local_items(chunks, groups, optimizer=None, *, empty: bool = False, device=None) -> dict:
+def _copy(t: torch.Tensor, key: str, device, staging: dict | None) -> torch.Tensor:
+    """`t` copied to `device`; into a reused (pinned, on GPUs) buffer of `staging` when given,
+    without waiting for the copy (the caller synchronizes before reading the buffers)."""
+    if staging is None:
+        return t.to(device, copy=True)
+    buf = staging.get(key)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=t.is_cuda)
+        staging[key] = buf
+    return buf.copy_(t, non_blocking=True)
+
+
+def local_items(
+    chunks, groups, optimizer=None, *, empty: bool = False, device=None, staging=None
+) -> dict:
     """{key: tensor or ShardedTensor} of this rank's weights (and optimizer state); with
-    `device`, copies on that device (host staging for asynchronous saves)."""
+    `device`, copies on that device (host staging for asynchronous saves; `staging` keeps the
+    host buffers from one save to the next)."""
     items = {}
     for chunk in chunks:
         specs = param_specs(chunk.cfg)
         for name, param in chunk.named_parameters():
             spec = specs[name]
             value = torch.empty_like(param) if empty else param.detach()
-            value = value if device is None else value.to(device, copy=True)
-            items[f"model.{name}"] = _item(value, spec, chunk.cfg, groups)
+            key = f"model.{name}"
+            value = value if device is None else _copy(value, key, device, staging)
+            items[key] = _item(value, spec, chunk.cfg, groups)
             if optimizer is None:
                 continue
             state = None if empty else optimizer.param_state(param)
@@ -81,8 +97,9 @@ def local_items(chunks, groups, optimizer=None, *, empty: bool = False, device=N
                     if empty
                     else state[key]  # a copy already
                 )
-                t = t if device is None else t.to(device)
-                items[f"optim.{name}.{key}"] = _item(t, spec, chunk.cfg, groups)
+                item = f"optim.{name}.{key}"
+                t = t if device is None else _copy(t, item, device, staging)
+                items[item] = _item(t, spec, chunk.cfg, groups)
     return items
 
 

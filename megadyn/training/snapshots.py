@@ -261,3 +261,33 @@ def gather_snapshot(found: Recovery, root: str, group) -> str:
     run_transfers(found.transfers, path, group)
     dist.barrier(group=group)
     return path
+
+
+class FinishAgreement:
+    """When every member finishes a snapshot whose files are all written, agreed through the
+    job's store so that no member waits at a step boundary for a slow writer.
+
+    At each step boundary a member whose own write is done says so under
+    `megadyn/snapshot/<iteration>/written/<rank>`; once every member has, the first member names
+    the next step as the one to finish at. All members finish at that step: its collectives
+    order the first member's write before every other member's next boundary, so all of them
+    read the same answer there.
+    """
+
+    def __init__(self, iteration: int, members: list[int], rank: int, store=None):
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.prefix = f"megadyn/snapshot/{iteration}/"
+        self.members, self.rank = list(members), rank
+        self.announced = self.decided = False
+
+    def finish_now(self, written: bool, step: int) -> bool:
+        """Call at every step boundary, on every member; True at the agreed step."""
+        if written and not self.announced:
+            self.store.set(f"{self.prefix}written/{self.rank}", "1")
+            self.announced = True
+        decision = self.prefix + "finish_at"
+        if self.rank == self.members[0] and self.announced and not self.decided:
+            if self.store.check([f"{self.prefix}written/{r}" for r in self.members]):
+                self.store.set(decision, str(step + 1))
+                self.decided = True
+        return self.store.check([decision]) and int(self.store.get(decision)) == step

@@ -103,6 +103,7 @@ class Trainer:
         after a reconfiguration; the weights then come from `adopt_state`)."""
         cfg, t = self.cfg, self.cfg.training
         self.groups = groups
+        self._staging: dict = {}  # host buffers of snapshots, kept while the layout is
         self.microbatches.check_dp_size(groups.dp_size)
         seed_default_generator(t.seed, groups.pp_rank, self.device)
         self.tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, self.device)
@@ -276,7 +277,7 @@ class Trainer:
                 self.save()
             if t.exit_interval and it % t.exit_interval == 0:
                 break
-            self.finish_snapshot()
+            self.poll_snapshot()
             snap = self.cfg.parallel.elastic_snapshot_interval
             if snap and it % snap == 0 and it < self.train_iters:
                 self.snapshot()
@@ -288,6 +289,7 @@ class Trainer:
         ):
             self.save()
         self.params_ready()
+        self.finish_snapshot()
         self.finish_saves()
         self.wandb.finish()
         return history
@@ -409,7 +411,8 @@ class Trainer:
         """An in-memory snapshot: a DCP checkpoint in this host's snapshot dir (host shared
         memory), written and copied to a peer rank on another host by a background thread over
         the gloo members group (megadyn/training/snapshots.py); it becomes usable when
-        `finish_snapshot` runs at the next step."""
+        step boundary at which every member's files are written (`poll_snapshot`). Host copies
+        go into buffers kept from one snapshot to the next."""
         self.finish_snapshot()
         self.params_ready()
         group = self.groups.members_group
@@ -426,13 +429,33 @@ class Trainer:
             group=group,
             leader=hosts.is_leader(dist.get_rank(group)),
             after_write=functools.partial(snapshots.copy_to_peer, hosts=hosts, group=group),
+            staging=self._staging,
+        )
+        self._snapshot_finish = snapshots.FinishAgreement(
+            self.state.iteration, self.groups.grid.members, dist.get_rank()
         )
 
-    def finish_snapshot(self) -> None:
+    def poll_snapshot(self) -> None:
+        """At a step boundary: finish the running snapshot if this is the step the members
+        agreed on once all their files were written; never waits for a writer."""
         pending = getattr(self, "_snapshot", None)
-        if pending is not None:
-            pending.finish()
+        if pending is not None and self._snapshot_finish.finish_now(
+            pending.done(), self.state.iteration
+        ):
+            self.finish_snapshot()
+
+    def finish_snapshot(self) -> None:
+        """Make the running snapshot the newest complete one (waiting for its writers)."""
+        pending = getattr(self, "_snapshot", None)
         self._snapshot = None
+        if pending is None:
+            return
+        path = pending.finish()
+        if self.logs:
+            self.print(
+                f" in-memory snapshot {path} complete at iteration {self.state.iteration}",
+                flush=True,
+            )
 
     def drop_snapshots(self) -> None:
         """The run is done: every member removes its host's snapshot dir (collective over the
@@ -462,7 +485,9 @@ class Trainer:
             for line in found.passed_over(root) + found.copies():
                 say(f" recovery: {line}", flush=True)
             say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
+            start = time.perf_counter()
             self.load(path)
+            say(f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s", flush=True)
         elif disk is not None:
             if p.elastic_snapshot_interval and not usable:
                 why = "".join(f" ({line})" for line in found.passed_over(root)[:1])

@@ -21,6 +21,8 @@ from pathlib import Path
 from test_live_reconfiguration import ARGS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+SNAPSHOT_DONE = re.compile(r"in-memory snapshot \S*iter_(\d+) complete")
+"""The line the logging rank prints when a snapshot became complete (all its pieces written)."""
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 

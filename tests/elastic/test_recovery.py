@@ -10,6 +10,7 @@ import time
 from recovery_helpers import (  # noqa: E402
     LINE,
     REPO,
+    SNAPSHOT_DONE,
     args,
     assert_matches_reference,
     recovery_times,
@@ -43,20 +44,25 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     job = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    log, kills, seen, starts = [], [], 0, 0
+    log, kills, seen, starts, complete = [], [], 0, 0, [0]
     deadline = time.monotonic() + 300
     for line in job.stdout:
         log.append(line)
         starts += " megadyn: 4 processes" in line
+        done = SNAPSHOT_DONE.search(line)
+        if done:
+            complete.append(int(done.group(1)))
         m = LINE.search(line)
         if m:
             seen = int(m.group(1))
-            if kills and len(kills[-1]) == 2 and starts > len(kills):  # first step after a restart
+            if kills and len(kills[-1]) == 3 and starts > len(kills):  # first step after a restart
                 kills[-1].append(time.monotonic())
-        # kill a worker after iteration 10, and again once the restarted job passed iteration 20
-        if len(kills) < 2 and seen >= (10 if not kills else 20) and starts == len(kills) + 1:
+        # kill a worker after iteration 10 once snapshot 8 is complete, and again once the
+        # restarted job passed iteration 20 and completed snapshot 16
+        after, snap = (10, 8) if not kills else (20, 16)
+        if len(kills) < 2 and seen >= after and complete[-1] >= snap and starts == len(kills) + 1:
             os.kill(sorted(workers_of(job.pid))[1 + len(kills)], signal.SIGKILL)
-            kills.append([seen, time.monotonic()])
+            kills.append([seen, time.monotonic(), complete[-1]])
         if time.monotonic() > deadline:
             job.kill()
             break
@@ -67,12 +73,13 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
         for x in re.findall(r"recovery: resuming from the in-memory snapshot .*iter_(\d+)", text)
     ]
     assert len(resumed) == 2 and len(kills) == 2, text[-3000:]
-    for (last_before, *_), snap in zip(kills, resumed):
+    for (last_before, _, newest, *_), snap in zip(kills, resumed):
+        assert snap >= newest  # the newest snapshot complete before the kill, or a newer one
         assert last_before - snap <= interval + 1  # the lost work is at most a snapshot interval
     assert_matches_reference(text, reference)
     logged = recovery_times(text)  # the job's own line, timed from the last heartbeat
     assert [r["restart"] for r in logged] == [1, 2] and [r["resumed"] for r in logged] == resumed
-    for (last_before, killed, back), snap, rec in zip(kills, resumed, logged):
+    for (last_before, killed, _, back), snap, rec in zip(kills, resumed, logged):
         # the kill races with the step after the one the test saw logged
         assert abs(rec["repeated"] - (last_before - snap)) <= 1 and rec["seconds"] < 60, rec
         print(
