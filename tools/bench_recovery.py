@@ -22,6 +22,7 @@ import time
 
 ITERATION = re.compile(r"iteration\s+(\d+)/")
 RESUMED = re.compile(r"recovery: resuming from the in-memory snapshot \S*iter_(\d+)")
+COMPLETE = re.compile(r"in-memory snapshot \S*iter_(\d+) complete")
 
 
 def children(pid: int) -> list[int]:
@@ -33,6 +34,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--kill-after", type=int, required=True, help="iteration to kill after")
+    p.add_argument(
+        "--after-snapshot", type=int, default=0, help="kill only once this snapshot is complete"
+    )
     p.add_argument("--victim", type=int, default=1, help="index of the worker to kill")
     p.add_argument("--log", default="recovery.log")
     p.add_argument("--port", type=int, default=29400)
@@ -48,12 +52,15 @@ def main() -> None:
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     killed_at = back_at = last = resumed = None
-    job_line = None
+    job_line, complete = None, 0
     with open(a.log, "w") as log:
         for line in job.stdout:
             log.write(line)
+            c = COMPLETE.search(line)
+            complete = int(c.group(1)) if c and killed_at is None else complete
             m = ITERATION.search(line)
-            if m and killed_at is None and int(m.group(1)) >= a.kill_after:
+            ready = complete >= a.after_snapshot
+            if m and killed_at is None and ready and int(m.group(1)) >= a.kill_after:
                 last = int(m.group(1))
                 os.kill(children(job.pid)[a.victim], signal.SIGKILL)
                 killed_at = time.monotonic()
@@ -68,6 +75,7 @@ def main() -> None:
     result = dict(
         exit_code=code,
         killed_after_iteration=last,
+        newest_complete_snapshot_before_kill=complete,
         resumed_from_snapshot=resumed,
         kill_to_next_step_s=round(back_at - killed_at, 2) if back_at and killed_at else None,
         job_recovery_line=job_line,
