@@ -39,7 +39,7 @@ def sharded(local: torch.Tensor, pieces: list[Piece], mine: int, ranks: list[int
     meta = ShardedTensorMetadata(
         shards_metadata=shards,
         size=torch.Size(pieces[mine].view_shape),
-        tensor_properties=TensorProperties(dtype=local.dtype),
+        tensor_properties=TensorProperties(dtype=local.dtype, pin_memory=local.is_pinned()),
     )
     view = local.reshape(pieces[mine].sizes)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
