@@ -243,7 +243,7 @@ def _save(items, path, group, after_write, copied, threads: int = 1) -> None:
     writer = dcp.FileSystemWriter(path, sync_files=threads == 1, thread_count=threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(items, storage_writer=writer, process_group=group)
+        dcp.save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
     if after_write is not None:
         after_write(path)
 
