@@ -1,7 +1,7 @@
 """The training loop of pretrain_gpt.py.
 
     trainer = Trainer(cfg, groups, device)      # tokenizer, datasets, model, optimizer, loaders
-    trainer.load(path)                          # optional: any layout's checkpoint
+    trainer.resume()                            # newest snapshot or --load (snapshot_keeper.py)
     losses = trainer.train()                    # per-iteration lm loss (on the logging rank)
 
 Everything that depends on the layout is made in `build(groups)`, so the elastic controller can
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -32,7 +30,6 @@ from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.data.sampler import micro_batch_indices
 from megadyn.models import build_gpt_chunks, masked_mean
 from megadyn.training import checkpoint as ckpt
-from megadyn.training import snapshots
 from megadyn.training.arguments import dump_args
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
@@ -45,6 +42,7 @@ from megadyn.training.metrics import (
 )
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
+from megadyn.training.snapshot_keeper import SnapshotKeeper, resume
 from megadyn.training.wandb_logger import create_wandb_logger
 
 
@@ -95,6 +93,7 @@ class Trainer:
             tuple[int, int, int, int]
         ] = []  # (cursor, dp rank, dp size, micro batches)
         self.wandb = create_wandb_logger(cfg, dist.get_rank(), dist.get_world_size())
+        self.snapshots = SnapshotKeeper()
         self.build(groups, init_weights=init_weights)
 
     # --- layout-dependent parts ----------------------------------------------------------------
@@ -103,7 +102,7 @@ class Trainer:
         after a reconfiguration; the weights then come from `adopt_state`)."""
         cfg, t = self.cfg, self.cfg.training
         self.groups = groups
-        self._staging: dict = {}  # host buffers of snapshots, kept while the layout is
+        self.snapshots.staging = {}  # host buffers of the old layout's snapshots go
         self.microbatches.check_dp_size(groups.dp_size)
         seed_default_generator(t.seed, groups.pp_rank, self.device)
         self.tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, self.device)
@@ -376,7 +375,8 @@ class Trainer:
         return None
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def _meta(self) -> dict:
+    def meta(self) -> dict:
+        """What a checkpoint records beside the tensors (progress, schedule, arguments)."""
         return {
             "state": dataclasses.asdict(self.state),
             "scheduler": self.scheduler.state_dict(),
@@ -391,7 +391,7 @@ class Trainer:
         self.finish_saves()
         self.params_ready()
         c = self.cfg.checkpoint
-        meta = self._meta()
+        meta = self.meta()
         self._pending = ckpt.save_checkpoint(
             c.save,
             self.state.iteration,
@@ -407,103 +407,21 @@ class Trainer:
                 f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
             )
 
+    # --- in-memory snapshots and resuming (snapshot_keeper.py) --------------------------------
     def snapshot(self) -> None:
-        """An in-memory snapshot: a DCP checkpoint in this host's snapshot dir (host shared
-        memory), written and copied to a peer rank on another host by a background thread over
-        the gloo members group (megadyn/training/snapshots.py); it becomes usable when
-        step boundary at which every member's files are written (`poll_snapshot`). Host copies
-        go into buffers kept from one snapshot to the next."""
-        self.finish_snapshot()
-        self.params_ready()
-        group = self.groups.members_group
-        hosts = snapshots.HostMap.gather(group)
-        self._snapshot = ckpt.save_checkpoint(
-            snapshots.snapshot_root(self.cfg.parallel.elastic_snapshot_dir),
-            self.state.iteration,
-            self.chunks,
-            self.optimizer,
-            self.groups,
-            self._meta(),
-            keep_last=2,
-            async_save=True,
-            group=group,
-            leader=hosts.is_leader(dist.get_rank(group)),
-            after_write=functools.partial(snapshots.copy_to_peer, hosts=hosts, group=group),
-            staging=self._staging,
-        )
-        self._snapshot_finish = snapshots.FinishAgreement(
-            self.state.iteration, self.groups.grid.members, dist.get_rank()
-        )
+        self.snapshots.start(self)
 
     def poll_snapshot(self) -> None:
-        """At a step boundary: finish the running snapshot if this is the step the members
-        agreed on once all their files were written; never waits for a writer."""
-        pending = getattr(self, "_snapshot", None)
-        if pending is not None and self._snapshot_finish.finish_now(
-            pending.done(), self.state.iteration
-        ):
-            self.finish_snapshot()
+        self.snapshots.poll(self)
 
     def finish_snapshot(self) -> None:
-        """Make the running snapshot the newest complete one (waiting for its writers)."""
-        pending = getattr(self, "_snapshot", None)
-        self._snapshot = None
-        if pending is None:
-            return
-        path = pending.finish()
-        if self.logs:
-            self.print(
-                f" in-memory snapshot {path} complete at iteration {self.state.iteration}",
-                flush=True,
-            )
+        self.snapshots.finish(self)
 
     def drop_snapshots(self) -> None:
-        """The run is done: every member removes its host's snapshot dir (collective over the
-        members group, so that no rank still writes or reads one)."""
-        if not self.cfg.parallel.elastic_snapshot_interval:
-            return
-        self.finish_snapshot()
-        dist.barrier(group=self.groups.members_group)
-        root = snapshots.snapshot_root(self.cfg.parallel.elastic_snapshot_dir)
-        shutil.rmtree(root, ignore_errors=True)
+        self.snapshots.drop(self)
 
     def resume(self) -> None:
-        """Continue from the newest in-memory snapshot whose every piece exists on some host
-        (copying pieces to the hosts that lack them), else from --load; the log says which
-        and why. Snapshots that exist but lack a piece everywhere, with no disk checkpoint to
-        fall back to, are an error rather than a fresh start."""
-        p, load = self.cfg.parallel, self.cfg.checkpoint.load
-        disk = ckpt.find_checkpoint(load) if load else None
-        say = self.print if self.logs else (lambda *a, **k: None)
-        found, root = snapshots.Recovery(), snapshots.snapshot_root(p.elastic_snapshot_dir)
-        if p.elastic_snapshot_interval:
-            group = self.groups.members_group
-            found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
-        usable = found.iteration is not None
-        if usable and (disk is None or found.iteration >= ckpt.checkpoint_iteration(disk)):
-            path = snapshots.gather_snapshot(found, root, self.groups.members_group)
-            for line in found.passed_over(root) + found.copies():
-                say(f" recovery: {line}", flush=True)
-            say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
-            start = time.perf_counter()
-            self.load(path)
-            say(f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s", flush=True)
-        elif disk is not None:
-            if p.elastic_snapshot_interval and not usable:
-                why = "".join(f" ({line})" for line in found.passed_over(root)[:1])
-                say(
-                    f" recovery: no complete in-memory snapshot{why}; falling back to the disk "
-                    f"checkpoint {disk}",
-                    flush=True,
-                )
-            self.load(disk)
-        elif found.any_snapshot and not usable:
-            raise ckpt.CheckpointError(
-                f"recovery: {found.passed_over(root)[0]}, and there is no disk checkpoint "
-                f"to fall back to (--load {load or 'not given'}); refusing to train from scratch"
-            )
-        elif load:
-            say(f" --load {load}: no checkpoint found, training from scratch", flush=True)
+        resume(self)
 
     def finish_saves(self) -> None:
         pending = getattr(self, "_pending", None)

@@ -1,0 +1,125 @@
+"""The in-memory snapshots of one trainer, and where a (re)started job resumes from.
+
+    keeper = SnapshotKeeper()                  # one per Trainer
+    keeper.start(trainer)                      # every --elastic-snapshot-interval steps
+    keeper.poll(trainer)                       # every step boundary: finish when agreed
+    keeper.finish(trainer)                     # wait for the writers (reshard, end of run)
+    resume(trainer)                            # newest complete snapshot, else --load
+
+A snapshot is an asynchronous DCP checkpoint in this host's snapshot dir (host shared memory),
+copied to a peer rank on another host by the writer thread over the gloo members group
+(snapshots.py). Training does not wait for it: the host copies go into buffers kept from one
+snapshot to the next, and the members agree through the store on the step boundary at which
+every member's files are written (snapshots.FinishAgreement).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+
+import torch.distributed as dist
+
+from megadyn.training import checkpoint as ckpt
+from megadyn.training import snapshots
+
+
+class SnapshotKeeper:
+    def __init__(self) -> None:
+        self.pending: ckpt.PendingSave | None = None
+        self.agreement: snapshots.FinishAgreement | None = None
+        self.staging: dict = {}  # host buffers, kept while the layout is
+
+    def start(self, trainer) -> None:
+        """Begin a snapshot of the trainer's state at its current iteration."""
+        self.finish(trainer)
+        trainer.params_ready()
+        group = trainer.groups.members_group
+        hosts = snapshots.HostMap.gather(group)
+        self.pending = ckpt.save_checkpoint(
+            snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir),
+            trainer.state.iteration,
+            trainer.chunks,
+            trainer.optimizer,
+            trainer.groups,
+            trainer.meta(),
+            keep_last=2,
+            async_save=True,
+            group=group,
+            leader=hosts.is_leader(dist.get_rank(group)),
+            after_write=functools.partial(snapshots.copy_to_peer, hosts=hosts, group=group),
+            staging=self.staging,
+        )
+        self.agreement = snapshots.FinishAgreement(
+            trainer.state.iteration, trainer.groups.grid.members, dist.get_rank()
+        )
+
+    def poll(self, trainer) -> None:
+        """At a step boundary: finish the running snapshot if this is the step the members
+        agreed on once all their files were written; never waits for a writer."""
+        if self.pending is not None and self.agreement.finish_now(
+            self.pending.done(), trainer.state.iteration
+        ):
+            self.finish(trainer)
+
+    def finish(self, trainer) -> None:
+        """Make the running snapshot the newest complete one (waiting for its writers)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        path = pending.finish()
+        if trainer.logs:
+            trainer.print(
+                f" in-memory snapshot {path} complete at iteration {trainer.state.iteration}",
+                flush=True,
+            )
+
+    def drop(self, trainer) -> None:
+        """The run is done: every member removes its host's snapshot dir (collective over the
+        members group, so that no rank still writes or reads one)."""
+        if not trainer.cfg.parallel.elastic_snapshot_interval:
+            return
+        self.finish(trainer)
+        dist.barrier(group=trainer.groups.members_group)
+        root = snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def resume(trainer) -> None:
+    """Continue from the newest in-memory snapshot whose every piece exists on some host
+    (copying pieces to the hosts that lack them), else from --load; the log says which and
+    why. Snapshots that exist but lack a piece everywhere, with no disk checkpoint to fall back
+    to, are an error rather than a fresh start."""
+    p, load = trainer.cfg.parallel, trainer.cfg.checkpoint.load
+    disk = ckpt.find_checkpoint(load) if load else None
+    say = trainer.print if trainer.logs else (lambda *a, **k: None)
+    found, root = snapshots.Recovery(), snapshots.snapshot_root(p.elastic_snapshot_dir)
+    if p.elastic_snapshot_interval:
+        group = trainer.groups.members_group
+        found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
+    usable = found.iteration is not None
+    if usable and (disk is None or found.iteration >= ckpt.checkpoint_iteration(disk)):
+        path = snapshots.gather_snapshot(found, root, trainer.groups.members_group)
+        for line in found.passed_over(root) + found.copies():
+            say(f" recovery: {line}", flush=True)
+        say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
+        start = time.perf_counter()
+        trainer.load(path)
+        say(f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s", flush=True)
+    elif disk is not None:
+        if p.elastic_snapshot_interval and not usable:
+            why = "".join(f" ({line})" for line in found.passed_over(root)[:1])
+            say(
+                f" recovery: no complete in-memory snapshot{why}; falling back to the disk "
+                f"checkpoint {disk}",
+                flush=True,
+            )
+        trainer.load(disk)
+    elif found.any_snapshot and not usable:
+        raise ckpt.CheckpointError(
+            f"recovery: {found.passed_over(root)[0]}, and there is no disk checkpoint "
+            f"to fall back to (--load {load or 'not given'}); refusing to train from scratch"
+        )
+    elif load:
+        say(f" --load {load}: no checkpoint found, training from scratch", flush=True)
