@@ -193,6 +193,7 @@ def save_checkpoint(
     leader: bool | None = None,
     after_write: Callable[[str], None] | None = None,
     staging: dict | None = None,
+    in_host_memory: bool = False,
 ) -> PendingSave:
     """Write the training state of this rank; returns a `PendingSave` (finished unless async).
 
@@ -202,12 +203,13 @@ def save_checkpoint(
     the background thread when async; collectives in it use `group`). An asynchronous save
     writes host copies of the tensors, so training may go on meanwhile; `staging` keeps those
     host buffers (pinned on GPUs) for the next save, whose copies then start without waiting
-    and are waited for by the writer thread."""
+    and are waited for by the writer thread. `in_host_memory`: `root` is in host shared memory
+    (several writer threads, no fsync)."""
     items = local_items(
         chunks, groups, optimizer, device="cpu" if async_save else None, staging=staging
     )
     copied = None
-    if async_save and staging is not None and torch.cuda.is_available():
+    if async_save and staging is not None and next(chunks[0].parameters()).is_cuda:
         copied = torch.cuda.Event()
         copied.record()
     items.update(rng_items(groups, chunks))
@@ -219,10 +221,9 @@ def save_checkpoint(
     dist.barrier(group=group)
     meta = dict(meta, iteration=iteration, layout=dataclasses.asdict(groups.layout))
     if async_save:
-        threads = SNAPSHOT_WRITERS if staging is not None else 1
-        future = _BACKGROUND.submit(_save, items, tmp, group, after_write, copied, threads)
+        future = _BACKGROUND.submit(_save, items, tmp, group, after_write, copied, in_host_memory)
     else:
-        _save(items, tmp, group, after_write, None)
+        _save(items, tmp, group, after_write, None, in_host_memory)
         future = None
     pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group, leader)
     if not async_save:
@@ -230,17 +231,19 @@ def save_checkpoint(
     return pending
 
 
-SNAPSHOT_WRITERS = 4
-"""Writer threads per rank for saves staged in host memory (in-memory snapshots)."""
+HOST_MEMORY_WRITERS = 4
+"""Writer threads per rank for saves into host memory (in-memory snapshots)."""
 
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megadyn-ckpt")
 
 
-def _save(items, path, group, after_write, copied, threads: int = 1) -> None:
+def _save(items, path, group, after_write, copied, in_host_memory: bool) -> None:
     if copied is not None:  # the device-to-host copies into the staging buffers
         copied.synchronize()
-    # several writer threads for host-memory saves, whose files need no fsync
-    writer = dcp.FileSystemWriter(path, sync_files=threads == 1, thread_count=threads)
+    if in_host_memory:  # files in shared memory: several writers, nothing to fsync
+        writer = dcp.FileSystemWriter(path, sync_files=False, thread_count=HOST_MEMORY_WRITERS)
+    else:
+        writer = dcp.FileSystemWriter(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(items, checkpoint_id=path, storage_writer=writer, process_group=group)

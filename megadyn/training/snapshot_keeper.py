@@ -50,6 +50,7 @@ class SnapshotKeeper:
             leader=hosts.is_leader(dist.get_rank(group)),
             after_write=functools.partial(snapshots.copy_to_peer, hosts=hosts, group=group),
             staging=self.staging,
+            in_host_memory=True,
         )
         self.agreement = snapshots.FinishAgreement(
             trainer.state.iteration, trainer.groups.grid.members, dist.get_rank()

@@ -8,36 +8,27 @@ set -uo pipefail
 OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; ROW_TIMEOUT=${ROW_TIMEOUT:-300}; mkdir -p "$OUT"
 ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp tp2_sp_overlap"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-ROWS=(  # name nproc args
-  "tp1|1|--tp 1"
-  "tp2|2|--tp 2"
-  "pp2|2|--pp 2"
-  "tp2_pp2|4|--tp 2 --pp 2"
-  "tp2_pp2_vpp2|4|--tp 2 --pp 2 --vpp 2"
-  "dp4|4|--gbs 32"
+ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequence parallelism)
+  "tp1|1|--tp 1|mcore megadyn"
+  "tp2|2|--tp 2|mcore megadyn"
+  "pp2|2|--pp 2|mcore megadyn"
+  "tp2_pp2|4|--tp 2 --pp 2|mcore megadyn"
+  "tp2_pp2_vpp2|4|--tp 2 --pp 2 --vpp 2|mcore megadyn"
+  "dp4|4|--gbs 32|mcore megadyn"
+  "tp2_sp|2|--tp 2 --sp|megadyn"
+  "tp2_sp_overlap|2|--tp 2 --sp --tp-comm-overlap|megadyn"
+  "dp4_no_param_overlap|4|--gbs 32 --no-overlap-param-gather|megadyn"
 )
 : > "$OUT/results.jsonl"
 for row in "${ROWS[@]}"; do
-  IFS='|' read -r name n args <<< "$row"
+  IFS='|' read -r name n args frameworks <<< "$row"
   [[ " $ONLY " == *" $name "* ]] || continue
-  for fw in mcore megadyn; do
-    script=.bench/mcore_gpt_bench.py; extra=""
-    [ $fw = megadyn ] && script=tools/bench_gpt.py && extra=$MEGADYN_ARGS
-    timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" $script $args $extra --iters "$ITERS" --warmup 3 \
-      > "$OUT/${fw}_${name}.log" 2>&1 || tail -5 "$OUT/${fw}_${name}.log"
+  for fw in $frameworks; do
+    script=tools/bench_gpt.py; extra=$MEGADYN_ARGS
+    [ "$fw" = mcore ] && script=.bench/mcore_gpt_bench.py && extra=""
+    timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" $script $args $extra \
+      --iters "$ITERS" --warmup 3 > "$OUT/${fw}_${name}.log" 2>&1 || tail -5 "$OUT/${fw}_${name}.log"
     grep '^{' "$OUT/${fw}_${name}.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
   done
-done
-EXTRA=(  # megadyn-only rows (Megatron-Core's local spec refuses sequence parallelism)
-  "tp2_sp|2|--tp 2 --sp"
-  "tp2_sp_overlap|2|--tp 2 --sp --tp-comm-overlap"
-  "dp4_no_param_overlap|4|--gbs 32 --no-overlap-param-gather"
-)
-for row in "${EXTRA[@]}"; do
-  IFS='|' read -r name n args <<< "$row"
-  [[ " $ONLY " == *" $name "* ]] || continue
-  timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" tools/bench_gpt.py $args $MEGADYN_ARGS \
-    --iters "$ITERS" --warmup 3 > "$OUT/megadyn_$name.log" 2>&1 || tail -5 "$OUT/megadyn_$name.log"
-  grep '^{' "$OUT/megadyn_$name.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
 done
 python3 tools/bench_table.py "$OUT/results.jsonl"

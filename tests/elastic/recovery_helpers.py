@@ -23,6 +23,29 @@ from test_live_reconfiguration import ARGS  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 SNAPSHOT_DONE = re.compile(r"in-memory snapshot \S*iter_(\d+) complete")
 """The line the logging rank prints when a snapshot became complete (all its pieces written)."""
+
+
+class Progress:
+    """What a job's log said so far: the last iteration logged and the newest complete
+    snapshot. `read(line)` is True when the line is an iteration line."""
+
+    def __init__(self) -> None:
+        self.iteration = self.snapshot = 0
+
+    def read(self, line: str) -> bool:
+        done = SNAPSHOT_DONE.search(line)
+        if done:
+            self.snapshot = max(self.snapshot, int(done.group(1)))
+        m = LINE.search(line)
+        if m:
+            self.iteration = int(m.group(1))
+        return m is not None
+
+    def past(self, iteration: int, snapshot: int) -> bool:
+        """Iteration `iteration` is logged and snapshot `snapshot` (or a newer one) complete."""
+        return self.iteration >= iteration and self.snapshot >= snapshot
+
+
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 

@@ -8,9 +8,8 @@ import subprocess
 import time
 
 from recovery_helpers import (  # noqa: E402
-    LINE,
     REPO,
-    SNAPSHOT_DONE,
+    Progress,
     args,
     assert_matches_reference,
     recovery_times,
@@ -44,25 +43,19 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     job = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    log, kills, seen, starts, complete = [], [], 0, 0, [0]
+    log, kills, starts, progress = [], [], 0, Progress()
     deadline = time.monotonic() + 300
     for line in job.stdout:
         log.append(line)
         starts += " megadyn: 4 processes" in line
-        done = SNAPSHOT_DONE.search(line)
-        if done:
-            complete.append(int(done.group(1)))
-        m = LINE.search(line)
-        if m:
-            seen = int(m.group(1))
-            if kills and len(kills[-1]) == 3 and starts > len(kills):  # first step after a restart
-                kills[-1].append(time.monotonic())
+        if progress.read(line) and kills and len(kills[-1]) == 3 and starts > len(kills):
+            kills[-1].append(time.monotonic())  # the first step after a restart
         # kill a worker after iteration 10 once snapshot 8 is complete, and again once the
         # restarted job passed iteration 20 and completed snapshot 16
         after, snap = (10, 8) if not kills else (20, 16)
-        if len(kills) < 2 and seen >= after and complete[-1] >= snap and starts == len(kills) + 1:
+        if len(kills) < 2 and progress.past(after, snap) and starts == len(kills) + 1:
             os.kill(sorted(workers_of(job.pid))[1 + len(kills)], signal.SIGKILL)
-            kills.append([seen, time.monotonic(), complete[-1]])
+            kills.append([progress.iteration, time.monotonic(), progress.snapshot])
         if time.monotonic() > deadline:
             job.kill()
             break

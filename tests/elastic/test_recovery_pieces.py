@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from recovery_helpers import (  # noqa: E402
-    LINE,
-    SNAPSHOT_DONE,
+    Progress,
     args,
     assert_matches_reference,
     run_torchrun,
@@ -58,13 +57,10 @@ def test_a_lost_host_is_rebuilt_from_the_peer_copies_on_the_other_host(tmp_path,
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = torchrun_cmd(["pretrain_gpt.py", *flags], nproc=2, nnodes=2, endpoint=endpoint)
     cmds = [["env", f"MEGADYN_HOST={host}", *cmd] for host in "ab"]  # env execs: same pid
-    killed, complete = [], [0]
+    killed, progress = [], Progress()
 
     def lose_host_b(line, procs):
-        done = SNAPSHOT_DONE.search(line)
-        complete.append(int(done.group(1)) if done else complete[-1])
-        m = LINE.search(line)
-        if killed or not m or int(m.group(1)) < 10 or complete[-1] < 8:  # 8 is whole
+        if not progress.read(line) or killed or not progress.past(10, 8):  # 8 is whole
             return
         # host b goes, and host a's workers fail with it: both agents count one failure (an
         # agent that restarts only because the other one waits does not count it, and the two

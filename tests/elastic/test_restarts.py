@@ -11,8 +11,7 @@ import time
 
 import torch.distributed as dist
 from recovery_helpers import (
-    LINE,
-    SNAPSHOT_DONE,  # noqa: E402
+    Progress,  # noqa: E402
     args,
     assert_matches_reference,
     rank_of,
@@ -64,14 +63,11 @@ def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
         endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=1,
     )
-    stopped, complete = {}, [0]
+    stopped, progress = {}, Progress()
 
     def on_line(line, agents):
-        done = SNAPSHOT_DONE.search(line)
-        complete.append(int(done.group(1)) if done else complete[-1])
-        m = LINE.search(line)
         # hang a worker (SIGSTOP, not a kill) after step 10, once snapshot 8 is complete
-        if m and int(m.group(1)) >= 10 and complete[-1] >= 8 and not stopped:
+        if progress.read(line) and progress.past(10, 8) and not stopped:
             pid = sorted(workers_of(agents[0].pid))[1]
             stopped.update(pid=pid, rank=rank_of(pid), at=time.monotonic())
             os.kill(pid, signal.SIGSTOP)
@@ -168,14 +164,11 @@ def test_a_lost_host_leaves_two_workers_on_a_new_layout(tmp_path):
         torchrun_cmd(script, nproc=2, endpoint=endpoint, nnodes="1:2", rdzv_conf=conf + h)
         for h in ("1", "0")
     ]
-    lost, complete = {}, [0]
+    lost, progress = {}, Progress()
 
     def on_line(line, agents):
-        done = SNAPSHOT_DONE.search(line)
-        complete.append(int(done.group(1)) if done else complete[-1])
-        m = LINE.search(line)
         # the second host goes away after step 10, once snapshot 8 is complete
-        if m and int(m.group(1)) >= 10 and complete[-1] >= 8 and not lost:
+        if progress.read(line) and progress.past(10, 8) and not lost:
             lost["group_rank"] = group_rank_of(agents[1].pid)
             for pid in workers_of(agents[1].pid):
                 os.kill(pid, signal.SIGKILL)
