@@ -81,17 +81,22 @@ def plan_layout(model_cfg, cfg, num_members: int, *, device_type: str, cost=None
     )
 
 
-def check_layout(layout: Layout, model_cfg, cfg) -> None:
-    """Every reason a layout cannot run this job, as a LayoutError naming it."""
-    t = cfg.training
+def validate_for(layout: Layout, model_cfg, cfg) -> None:
+    """`Layout.validate` against this job's model, sequence and batch sizes (LayoutError)."""
     layout.validate(
         num_layers=model_cfg.num_layers,
         num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_query_groups,
         seq_length=cfg.data.seq_length,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
+        global_batch_size=cfg.training.global_batch_size,
+        micro_batch_size=cfg.training.micro_batch_size,
     )
+
+
+def check_layout(layout: Layout, model_cfg, cfg) -> None:
+    """Every reason a layout cannot run this job, as a LayoutError naming it."""
+    t = cfg.training
+    validate_for(layout, model_cfg, cfg)
     micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     if layout.vpp > 1 and micro % layout.pp:
         raise LayoutError(

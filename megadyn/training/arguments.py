@@ -25,6 +25,7 @@ import torch
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
+from megadyn.elastic.requests import validate_for
 from megadyn.models.config import GPTConfig
 from megadyn.training.config import (
     LR_DECAY_STYLES,
@@ -369,14 +370,7 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
         )
     try:
         layout = cfg.layout(world_size)
-        layout.validate(
-            num_layers=model.num_layers,
-            num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_query_groups,
-            seq_length=cfg.data.seq_length,
-            global_batch_size=train.global_batch_size,
-            micro_batch_size=train.micro_batch_size,
-        )
+        validate_for(layout, model, cfg)
     except ValueError as err:  # LayoutError
         raise ConfigError.from_error(err) from err
     dist_opt = cfg.optimizer.use_distributed_optimizer
