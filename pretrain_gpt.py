@@ -12,6 +12,7 @@ import sys
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
+from megadyn.training import startup
 from megadyn.training.arguments import distributed_timeout
 from megadyn.training.config import ConfigError
 from megadyn.training.distributed_init import init_distributed, restart_count
@@ -22,7 +23,9 @@ from megadyn.training.watchdog import Watchdog
 
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    startup.mark("python and imports")
     device = init_distributed(distributed_timeout(argv))
+    startup.mark("process group")
     world = dist.get_world_size()
     if "--default-job" in argv:
         from megadyn.training.default_job import default_job_argv
@@ -72,6 +75,7 @@ def train(cfg, device, watchdog: Watchdog | None) -> list[float]:
             flush=True,
         )
     trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook if watchdog else None)
+    startup.mark("groups, data, model and optimizer")
     trainer.resume()
     history = trainer.train()
     trainer.drop_snapshots()  # the run is done: every host's snapshot dir goes

@@ -39,6 +39,7 @@ from megadyn.training.checkpoint_items import (
     rng_items,
     set_rng_items,
 )
+from megadyn.training.checkpoint_reader import ParallelFileSystemReader
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "megadyn.json"
@@ -251,9 +252,29 @@ def _save(items, path, group, after_write, copied, in_host_memory: bool) -> None
         after_write(path)
 
 
+@dataclasses.dataclass
+class ReadCheckpoint:
+    """A checkpoint read into fresh tensors of this rank's layout, not yet in the model."""
+
+    path: str
+    meta: dict
+    items: dict
+    has_optim: bool
+    rng: bool
+
+
 def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rng=True) -> dict:
     """Load `path` (a checkpoint dir, or a root with a tracker) into this rank's model chunks
     and optimizer under the current layout; returns the saved `megadyn.json` dict."""
+    read = read_checkpoint(
+        path, chunks, optimizer, groups, load_optim=load_optim, load_rng=load_rng
+    )
+    return apply_checkpoint(read, chunks, optimizer, groups)
+
+
+def read_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rng=True):
+    """Read `path` into fresh tensors shaped for this rank (the model is not touched, so this
+    may run in a thread beside work on the model; its collectives use the members group)."""
     if not _complete(path):
         found = latest_checkpoint(path)
         if found is None:
@@ -263,7 +284,8 @@ def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             meta = json.load(f)
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        reader = ParallelFileSystemReader(path, threads=HOST_MEMORY_WRITERS)
+        metadata = reader.read_metadata()
     except (OSError, ValueError, EOFError) as e:
         raise CheckpointError(f"--load {path}: checkpoint is unreadable ({e})") from e
     stored = metadata.state_dict_metadata
@@ -276,16 +298,22 @@ def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(items, checkpoint_id=path, process_group=groups.members_group)
+            dcp.load(items, storage_reader=reader, process_group=groups.members_group)
     except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps file errors per rank
         raise CheckpointError(f"--load {path}: reading the checkpoint failed: {e}") from e
-    _apply(items, chunks, optimizer if has_optim else None, meta)
-    if optimizer is not None and not has_optim:
+    return ReadCheckpoint(path, meta, items, has_optim, bool(rng))
+
+
+def apply_checkpoint(read: ReadCheckpoint, chunks, optimizer, groups) -> dict:
+    """Put what `read_checkpoint` read into the model, optimizer and RNG streams."""
+    meta = read.meta
+    _apply(read.items, chunks, optimizer if read.has_optim else None, meta)
+    if optimizer is not None and not read.has_optim:
         optimizer.reload_model_params()
-    if rng:
-        set_rng_items(groups, chunks, items)
-    meta["rng_restored"] = bool(rng)
-    meta["optim_restored"] = has_optim
+    if read.rng:
+        set_rng_items(groups, chunks, read.items)
+    meta["rng_restored"] = read.rng
+    meta["optim_restored"] = read.has_optim
     return meta
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import functools
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
 from megadyn.training import checkpoint as ckpt
-from megadyn.training import snapshots
+from megadyn.training import snapshots, startup
 
 
 class SnapshotKeeper:
@@ -102,12 +103,23 @@ def resume(trainer) -> None:
     usable = found.iteration is not None
     if usable and (disk is None or found.iteration >= ckpt.checkpoint_iteration(disk)):
         path = snapshots.gather_snapshot(found, root, trainer.groups.members_group)
+        startup.mark("snapshot located")
         for line in found.passed_over(root) + found.copies():
             say(f" recovery: {line}", flush=True)
         say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
         start = time.perf_counter()
-        trainer.load(path)
-        say(f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s", flush=True)
+        with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
+            reading = pool.submit(trainer.read, path)  # collectives: the gloo members group
+            trainer.warm_up()  # the NCCL groups meanwhile
+            warm = time.perf_counter() - start
+            read = reading.result()
+        trainer.adopt(read)
+        startup.mark("snapshot read beside a warm-up step")
+        say(
+            f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s "
+            f"(warm-up step beside the read: {warm:.1f} s)",
+            flush=True,
+        )
     elif disk is not None:
         if p.elastic_snapshot_interval and not usable:
             why = "".join(f" ({line})" for line in found.passed_over(root)[:1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from megadyn.data.sampler import micro_batch_indices
 from megadyn.models import build_gpt_chunks, masked_mean
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
+from megadyn.training.checkpoint_items import rng_items, set_rng_items
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
 from megadyn.training.metrics import (
@@ -430,8 +432,13 @@ class Trainer:
         self._pending = None
 
     def load(self, path: str) -> None:
+        self.adopt(self.read(path))
+
+    def read(self, path: str) -> ckpt.ReadCheckpoint:
+        """Read a checkpoint or snapshot for this layout without touching the model (so it may
+        run in a thread beside `warm_up`)."""
         c = self.cfg.checkpoint
-        meta = ckpt.load_checkpoint(
+        return ckpt.read_checkpoint(
             path,
             self.chunks,
             self.optimizer,
@@ -439,14 +446,49 @@ class Trainer:
             load_optim=not (c.no_load_optim or c.finetune),
             load_rng=not c.no_load_rng,
         )
+
+    def adopt(self, read: ckpt.ReadCheckpoint) -> None:
+        """Put a read checkpoint into the model, optimizer, schedule and data cursor."""
+        c = self.cfg.checkpoint
+        meta = ckpt.apply_checkpoint(read, self.chunks, self.optimizer, self.groups)
         if not c.finetune and "state" in meta:
             self.state = TrainState(**meta["state"])
             self.scheduler.load_state_dict(meta["scheduler"], strict=False)
             self.train_loader.consumed_samples = self.state.consumed_samples
         if self.logs:
             self.print(
-                f" loaded checkpoint {path} at iteration {self.state.iteration} "
+                f" loaded checkpoint {read.path} at iteration {self.state.iteration} "
                 f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
                 f"RNG {'restored' if meta['rng_restored'] else 'reseeded'})",
                 flush=True,
             )
+
+    def warm_up(self) -> None:
+        """One step's forward and backward on the batch at the data cursor (the cursor does not
+        move) with the gradients thrown away, and a small collective in every process group:
+        the next training step then pays no communicator setup, compilation or kernel choice.
+        The weights, optimizer, schedule and RNG streams are not read for anything kept, so
+        this runs while a snapshot is read (`snapshot_keeper.resume`)."""
+        g = self.groups
+        rng = rng_items(g, self.chunks)  # dropout in the warm-up must not move the streams
+        batch = self.train_loader.batch_at(self.train_loader.consumed_samples)
+        n = self.microbatches.num_micro_batches(self.state.consumed_samples, g.dp_size)
+        forward_backward(
+            self.ddp,
+            g,
+            itertools.repeat(batch),
+            n,
+            config=self.pipeline_cfg,
+            loss_fn=lm_loss,
+            no_sync=self._no_sync,
+        )
+        finalize_model_grads(self.ddp, g)
+        for group in (g.tp_group, g.pp_group, g.dp_group, g.mp_group, g.embedding_group):
+            if group is not None:
+                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        self.optimizer.zero_grad()
+        for d in self.ddp:
+            d.zero_grad_buffer()
+        set_rng_items(g, self.chunks, rng)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -41,6 +41,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megadyn.training import startup
 from megadyn.training.distributed_init import agent_store, attempt_prefix, restart_count
 
 WATCHED = 16
@@ -128,6 +129,7 @@ class Watchdog:
         if self._reported or not self.restart:
             return
         self._reported = True
+        startup.mark("first step")
         if trainer.logs:
             previous = read_previous_attempt(self.store, self.restart - 1)
             self.print(self.recovery_line(self.iteration, previous), flush=True)
@@ -144,7 +146,7 @@ class Watchdog:
             f"iterations repeated: {repeated}{span} | failure to completed step {iteration}: "
             f"{time.time() - prev.last_heartbeat:.1f} s, measured from the last heartbeat of "
             f"rank {prev.silent_rank} ({prev.host}), the first to go silent in attempt "
-            f"{prev.attempt}"
+            f"{prev.attempt} | {startup.timeline(since=prev.last_heartbeat)}"
         )
 
     def stop(self) -> None:

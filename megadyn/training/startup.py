@@ -1,0 +1,46 @@
+"""Where the start of this process went: a few named phases, logged after a restart.
+
+    startup.mark("process groups")       # the phase that ends now
+    startup.timeline(since=t_fail)       # "processes started 2.1 s after it, imports 3.0 s, ..."
+
+The first phase runs from the moment the operating system started this process (read from
+/proc on Linux), so the line also shows how long the restart itself took before Python ran.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_PHASES: list[tuple[str, float]] = []
+
+
+def process_start_time() -> float:
+    """Wall-clock time at which this process started (now, where /proc is not available)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+_STARTED = process_start_time()
+
+
+def mark(phase: str) -> None:
+    """The phase named `phase` of this process's start ends now."""
+    _PHASES.append((phase, time.time()))
+
+
+def timeline(since: float | None = None) -> str:
+    """The phases so far, each with its duration; with `since` (wall clock, e.g. the last
+    heartbeat of a failed rank) first how long after it this process started."""
+    parts = [] if since is None else [f"process started {_STARTED - since:.1f} s after it"]
+    previous = _STARTED
+    for phase, at in _PHASES:
+        parts.append(f"{phase} {at - previous:.1f} s")
+        previous = at
+    return ", ".join(parts)
