@@ -11,18 +11,22 @@ and optimizer code read:
 
 Gradient accumulation fusion (`grad_accumulation_fusion`, on by default; wgrad.py): a bf16
 layer's own weight gradient is added into its fp32 DDP `main_grad` inside the GEMM. fp32
-models and modules without DDP take plain `F.linear`. Under sequence parallelism,
-`tp_comm_overlap` routes the layers through overlap.py.
+models and modules without DDP take plain `F.linear`.
+
+Communication overlap: without sequence parallelism, a column-parallel layer all-reduces its
+input gradient (asynchronously) while its weight gradient is computed. Under sequence
+parallelism, `tp_comm_overlap` routes the layers through overlap.py (ring exchanges overlapped
+with chunked GEMMs).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megadyn.core.tensor_parallel.mappings import (
-    copy_to_region,
     gather_from_region,
     gather_from_sequence,
     group_rank,
@@ -37,28 +41,41 @@ from megadyn.core.tensor_parallel.overlap import (
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
-class _LinearAccumulateMainGrad(torch.autograd.Function):
-    """y = x W^T + b whose weight gradient is added to `W.main_grad` inside the GEMM."""
+class _LinearAsyncGradReduce(torch.autograd.Function):
+    """y = x W^T + b whose backward overlaps the input gradient's all-reduce over `group` (when
+    given) with the weight-gradient GEMM, which with `fuse` adds into `W.main_grad`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, group, fuse):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.group, ctx.fuse, ctx.has_bias = group, fuse, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grad_x = g.matmul(weight)  # [..., in]
+        grad_x, handle = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
+            if group_size(ctx.group) > 1:
+                handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
-        grad_w = weight_grad(weight, g2d, x.reshape(-1, x.shape[-1]), fuse=True)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_grad(weight, g2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
         grad_b = g2d.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_w, grad_b, None, None
 
 
-def _linear(x, weight, bias, fuse: bool):
-    if fuse_wgrad(weight, fuse):
-        return _LinearAccumulateMainGrad.apply(x, weight, bias)
+def _linear(x, weight, bias, fuse: bool, input_grad_group=None):
+    """F.linear; the weight gradient goes into `main_grad` when `fuse_wgrad` allows, and the input
+    gradient is all-reduced over `input_grad_group` (if any) while the weight gradient is
+    computed."""
+    fuse = fuse_wgrad(weight, fuse)
+    if fuse or group_size(input_grad_group) > 1:
+        return _LinearAsyncGradReduce.apply(x, weight, bias, input_grad_group, fuse)
     return F.linear(x, weight, bias)
 
 
@@ -128,9 +145,9 @@ class ColumnParallelLinear(nn.Module):
             return y
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.tp_group)  # [s, b, in]
-        else:
-            x = copy_to_region(x, self.tp_group)
-        y = _linear(x, weight, self.bias, fuse)  # [s, b, out/tp]
+            y = _linear(x, weight, self.bias, fuse)  # [s, b, out/tp]
+        else:  # the input gradient is all-reduced during the weight-gradient GEMM
+            y = _linear(x, weight, self.bias, fuse, self.tp_group)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_region(y, self.tp_group)  # [s, b, out]
         return y

@@ -1,0 +1,125 @@
+"""Tensor-parallel linear layers equal `F.linear` on the global weights, with their
+communication overlapped: the column-parallel layer's asynchronous input-gradient all-reduce
+(always on without sequence parallelism) and, under sequence parallelism with
+`tp_comm_overlap`, the ring exchanges of overlap.py; with and without gradient accumulation
+fusion into `main_grad`."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.layout import Layout
+from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megadyn.testing import spawn
+
+S, B, IN, OUT = 8, 2, 16, 24
+WORLD = 4  # tp=2 runs two tp groups, so ring peers are global ranks other than group ranks
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def global_problem():
+    """Input [s, b, in], weight [out, in], bias [out] and output gradient [s, b, out]."""
+    g = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(S, B, IN, generator=g),
+        torch.randn(OUT, IN, generator=g),
+        torch.randn(OUT, generator=g),
+        torch.randn(S, B, OUT, generator=g),
+    )
+
+
+def reference():
+    x, w, b, dy = global_problem()
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    y = F.linear(x, w, b)
+    (y * dy).sum().backward()
+    tensors = {"x": x, "w": w, "b": b}
+    return {"y": y.detach(), "dy": dy} | {
+        key: value
+        for name, t in tensors.items()
+        for key, value in ((name, t.detach()), (f"{name}.grad", t.grad))
+    }
+
+
+def split_dims(cls, sp: bool) -> dict:
+    """The dimension along which each global tensor is split over tp (None: replicated)."""
+    if cls is ColumnParallelLinear:  # weight split along its output dimension
+        return {"x": 0 if sp else None, "w": 0, "b": 0, "y": -1}
+    return {"x": -1, "w": 1, "b": None, "y": 0 if sp else None}  # row: along the input
+
+
+def local_pieces(ref: dict, cls, sp: bool, tp: int, rank: int) -> dict:
+    """This rank's expected tensors: `ref` sliced as the layer splits them (a gradient as its
+    tensor, the output gradient as the output)."""
+    dims = split_dims(cls, sp)
+    out = {}
+    for name, t in ref.items():
+        base = name.removesuffix(".grad")
+        dim = dims["y" if base == "dy" else base]
+        out[name] = t if dim is None else t.chunk(tp, dim)[rank]
+    return out
+
+
+def run_layer(cls, group, expected, *, sp, overlap, fuse, input_grad=True, tied=False):
+    """Forward and backward of one layer holding this rank's weights; its output and grads."""
+    kw = dict(sequence_parallel=sp, tp_comm_overlap=overlap, grad_accumulation_fusion=fuse)
+    if tied:
+        kw["skip_weight"] = True
+    layer = cls(IN, OUT, group, **kw)
+    weight = torch.nn.Parameter(expected["w"].clone()) if tied else layer.weight
+    with torch.no_grad():
+        if not tied:
+            weight.copy_(expected["w"])
+        layer.bias.copy_(expected["b"])
+    if fuse:  # a main_grad of another dtype than the weight turns fusion on (wgrad.py)
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float64)
+    x = expected["x"].clone().requires_grad_(input_grad)
+    y = layer(x, weight=weight) if tied else layer(x)
+    (y * expected["dy"]).sum().backward()
+    bias_grad = layer.bias.grad
+    if cls is RowParallelLinear and sp:  # replicated bias, a partial grad per sequence chunk
+        dist.all_reduce(bias_grad, group=group)
+    fused = fuse and not tied
+    assert getattr(weight, "grad_added_to_main_grad", False) == fused
+    grads = {"y": y.detach(), "b.grad": bias_grad}
+    grads["w.grad"] = weight.main_grad.float() if fused else weight.grad
+    if input_grad:
+        grads["x.grad"] = x.grad
+    return grads
+
+
+def body(rank, world, tp):
+    groups = ParallelGroups.build(Layout(tp=tp, dp=world // tp), range(world))
+    ref = reference()
+    for cls, sp in itertools.product((ColumnParallelLinear, RowParallelLinear), (False, True)):
+        expected = local_pieces(ref, cls, sp, tp, groups.tp_rank)
+        runs = {}
+        for overlap, fuse in itertools.product((False, True), (False, True)):
+            runs[overlap, fuse] = run_layer(
+                cls, groups.tp_group, expected, sp=sp, overlap=overlap, fuse=fuse
+            )
+        if cls is ColumnParallelLinear:  # tied weight passed in: no fusion, plain grad
+            runs["tied"] = run_layer(
+                cls, groups.tp_group, expected, sp=sp, overlap=sp, fuse=True, tied=True
+            )
+        runs["no input grad"] = run_layer(
+            cls, groups.tp_group, expected, sp=sp, overlap=sp, fuse=True, input_grad=False
+        )
+        plain = runs[False, False]
+        for key, got in runs.items():
+            what = f"{cls.__name__} tp={tp} sp={sp} {key}"
+            for name, t in got.items():
+                # (a) against the single-process layer
+                torch.testing.assert_close(t, expected[name], **TOL, msg=f"{what} {name}")
+                # (b), (c) overlap and fusion against the plain path of the same layout
+                torch.testing.assert_close(t, plain[name], rtol=1e-5, atol=0, msg=f"{what} {name}")
+    groups.destroy()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parallel_linear_with_overlap_matches_single_process(tp):
+    spawn(body, world=WORLD, args=(tp,))
