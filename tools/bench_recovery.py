@@ -6,7 +6,9 @@ Starts `torchrun --max-restarts 1` (c10d rendezvous) on pretrain_gpt.py with the
 (`--log-interval 1` and `--elastic-snapshot-interval` are the caller's), sends SIGKILL to one
 worker once iteration `--kill-after` is logged, and prints one JSON line: the iteration killed
 after, the snapshot the job resumed from, the seconds from the kill to the first iteration line
-after the restart, and the job's own recovery line. The full log goes to `--log`.
+after the restart, and the job's own recovery line. The full log goes to `--log`, its lines after
+the kill prefixed with the seconds since it (torchrun's agent logs at INFO level, so its
+stopping, rendezvous and starting of the workers show there too).
 """
 
 from __future__ import annotations
@@ -47,15 +49,17 @@ def main() -> None:
            "--nproc-per-node", str(a.nproc), "--max-restarts", "1", "--monitor-interval", "0.1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{a.port}",
            "--rdzv-id", "bench-recovery", "pretrain_gpt.py", *flags]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="INFO")  # the agent's steps too
     job = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     killed_at = back_at = last = resumed = None
     job_line, complete = None, 0
     with open(a.log, "w") as log:
-        for line in job.stdout:
-            log.write(line)
+        for line in job.stdout:  # after the kill, each line with the seconds since it
+            log.write(
+                line if killed_at is None else f"[+{time.monotonic() - killed_at:.2f} s] {line}"
+            )
             c = COMPLETE.search(line)
             complete = int(c.group(1)) if c and killed_at is None else complete
             m = ITERATION.search(line)

@@ -108,16 +108,20 @@ def resume(trainer) -> None:
             say(f" recovery: {line}", flush=True)
         say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
         start = time.perf_counter()
+
+        def read():  # collectives: the gloo members group
+            read = trainer.read(path)
+            return read, time.perf_counter() - start
+
         with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
-            reading = pool.submit(trainer.read, path)  # collectives: the gloo members group
+            reading = pool.submit(read)
             trainer.warm_up()  # the NCCL groups meanwhile
-            warm = time.perf_counter() - start
-            read = reading.result()
-        trainer.adopt(read)
+            loaded, seconds = reading.result()
+        trainer.adopt(loaded)
         startup.mark("snapshot read beside a warm-up step")
         say(
-            f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s "
-            f"(warm-up step beside the read: {warm:.1f} s)",
+            f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s (read in "
+            f"{seconds:.1f} s beside the warm-up)",
             flush=True,
         )
     elif disk is not None:

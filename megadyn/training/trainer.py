@@ -464,13 +464,17 @@ class Trainer:
             )
 
     def warm_up(self) -> None:
-        """One step's forward and backward on the batch at the data cursor (the cursor does not
-        move) with the gradients thrown away, and a small collective in every process group:
+        """A small collective in every process group, then one step's forward and backward on
+        the batch at the data cursor (the cursor does not move) with the gradients thrown away:
         the next training step then pays no communicator setup, compilation or kernel choice.
         The weights, optimizer, schedule and RNG streams are not read for anything kept, so
         this runs while a snapshot is read (`snapshot_keeper.resume`)."""
-        g = self.groups
+        g, start = self.groups, time.perf_counter()
         rng = rng_items(g, self.chunks)  # dropout in the warm-up must not move the streams
+        for group in (g.tp_group, g.pp_group, g.dp_group, g.mp_group, g.embedding_group):
+            if group is not None:
+                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        connected = time.perf_counter()
         batch = self.train_loader.batch_at(self.train_loader.consumed_samples)
         n = self.microbatches.num_micro_batches(self.state.consumed_samples, g.dp_size)
         forward_backward(
@@ -483,12 +487,15 @@ class Trainer:
             no_sync=self._no_sync,
         )
         finalize_model_grads(self.ddp, g)
-        for group in (g.tp_group, g.pp_group, g.dp_group, g.mp_group, g.embedding_group):
-            if group is not None:
-                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.optimizer.zero_grad()
         for d in self.ddp:
             d.zero_grad_buffer()
         set_rng_items(g, self.chunks, rng)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.logs:
+            self.print(
+                f" warm-up: communicators {connected - start:.1f} s, forward and backward "
+                f"{time.perf_counter() - connected:.1f} s",
+                flush=True,
+            )
