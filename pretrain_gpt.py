@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
@@ -74,8 +75,11 @@ def train(cfg, device, watchdog: Watchdog | None) -> list[float]:
             f"vpp={layout.vpp} sequence_parallel={layout.sequence_parallel}, device {device.type}",
             flush=True,
         )
-    trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook if watchdog else None)
-    startup.mark("groups, data, model and optimizer")
+    with ThreadPoolExecutor(1, thread_name_prefix="megadyn-connect") as pool:
+        connecting = pool.submit(groups.connect, device)  # beside the model build
+        trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook if watchdog else None)
+        connecting.result()
+    startup.mark("groups, communicators, data, model and optimizer")
     trainer.resume()
     history = trainer.train()
     trainer.drop_snapshots()  # the run is done: every host's snapshot dir goes

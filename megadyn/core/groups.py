@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid, canonical_members
@@ -141,6 +142,32 @@ class ParallelGroups:
     def pp_neighbor(self, offset: int) -> int:
         """Global rank of the pipeline rank `offset` stages away (wrapping around)."""
         return self.pp_ranks[(self.coords.pp + offset) % self.layout.pp]
+
+    def connect(self, device) -> None:
+        """A small all-reduce in each of this rank's device groups and one exchange with the
+        neighbouring pipeline stages: NCCL sets up a communicator at its first use, so this
+        takes that cost out of the first training step (run beside the model build)."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
+        for group in (
+            self.tp_group,
+            self.pp_group,
+            self.dp_group,
+            self.mp_group,
+            self.embedding_group,
+        ):
+            if group is not None:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+        if self.layout.pp > 1:
+            out, into = torch.zeros(1, device=device), torch.empty(1, device=device)
+            ops = [
+                dist.P2POp(dist.isend, out, self.pp_neighbor(1), self.pp_group),
+                dist.P2POp(dist.irecv, into, self.pp_neighbor(-1), self.pp_group),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def destroy(self) -> None:
         """Release every group this object created; the object must not be used afterwards."""

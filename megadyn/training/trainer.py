@@ -471,9 +471,7 @@ class Trainer:
         this runs while a snapshot is read (`snapshot_keeper.resume`)."""
         g, start = self.groups, time.perf_counter()
         rng = rng_items(g, self.chunks)  # dropout in the warm-up must not move the streams
-        for group in (g.tp_group, g.pp_group, g.dp_group, g.mp_group, g.embedding_group):
-            if group is not None:
-                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        g.connect(self.device)
         connected = time.perf_counter()
         batch = self.train_loader.batch_at(self.train_loader.consumed_samples)
         n = self.microbatches.num_micro_batches(self.state.consumed_samples, g.dp_size)

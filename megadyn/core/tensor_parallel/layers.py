@@ -41,15 +41,30 @@ from megadyn.core.tensor_parallel.overlap import (
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
-class _LinearAsyncGradReduce(torch.autograd.Function):
-    """y = x W^T + b whose backward overlaps the input gradient's all-reduce over `group` (when
-    given) with the weight-gradient GEMM, which with `fuse` adds into `W.main_grad`."""
+class _LinearAsyncReduce(torch.autograd.Function):
+    """y = x W^T + b with its collectives overlapped with GEMMs: the output, when summed over
+    `output_group` (row-parallel), is computed in two halves of the sequence whose all-reduces
+    run while the next half is multiplied; the input gradient, when summed over `input_group`
+    (column-parallel), is all-reduced while the weight-gradient GEMM runs (which with `fuse`
+    adds into `W.main_grad`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, fuse):
+    def forward(ctx, x, weight, bias, input_group, output_group, fuse):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.fuse, ctx.has_bias = group, fuse, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
+        if group_size(output_group) == 1:
+            return F.linear(x, weight, bias)
+        x = x.contiguous()
+        y = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
+        handles = []
+        if bias is not None:
+            raise ValueError("a summed output takes its bias after the sum")
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):  # halves of the sequence (dim 0)
+            torch.matmul(xs, weight.t(), out=ys)
+            handles.append(dist.all_reduce(ys, group=output_group, async_op=True))
+        for handle in handles:
+            handle.wait()
+        return y
 
     @staticmethod
     def backward(ctx, g):
@@ -66,16 +81,16 @@ class _LinearAsyncGradReduce(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
-def _linear(x, weight, bias, fuse: bool, input_grad_group=None):
-    """F.linear; the weight gradient goes into `main_grad` when `fuse_wgrad` allows, and the input
-    gradient is all-reduced over `input_grad_group` (if any) while the weight gradient is
-    computed."""
+def _linear(x, weight, bias, fuse: bool, input_group=None, output_group=None):
+    """F.linear with the input gradient all-reduced over `input_group` or the output over
+    `output_group` (each overlapped with GEMMs, see `_LinearAsyncReduce`); the weight gradient
+    goes into `main_grad` when `fuse_wgrad` allows."""
     fuse = fuse_wgrad(weight, fuse)
-    if fuse or group_size(input_grad_group) > 1:
-        return _LinearAsyncGradReduce.apply(x, weight, bias, input_grad_group, fuse)
+    if fuse or group_size(input_group) > 1 or group_size(output_group) > 1:
+        return _LinearAsyncReduce.apply(x, weight, bias, input_group, output_group, fuse)
     return F.linear(x, weight, bias)
 
 
@@ -191,11 +206,12 @@ class RowParallelLinear(nn.Module):
             fuse = fuse_wgrad(self.weight, self.grad_accumulation_fusion)
             y = row_sequence_parallel_linear(x, self.weight, self.tp_group, fuse)  # [s/tp, b, out]
             return y + self.bias if self.bias is not None else y
-        y = _linear(x, self.weight, None, self.grad_accumulation_fusion)  # partial sums [s, b, out]
+        fuse = self.grad_accumulation_fusion
         if self.sequence_parallel:
+            y = _linear(x, self.weight, None, fuse)  # partial sums [s, b, out]
             y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]
         else:
-            y = reduce_from_region(y, self.tp_group)
+            y = _linear(x, self.weight, None, fuse, output_group=self.tp_group)  # [s, b, out]
         if self.bias is not None:
             y = y + self.bias
         return y
