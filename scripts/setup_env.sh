@@ -8,4 +8,9 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
+# Triton (test extra: the CPU tests run the fused cross entropy's kernels in its interpreter):
+# the version torch 2.13's CUDA build pins; a GPU machine's torch comes with its own
+if ! "$PY" -c "import triton" 2>/dev/null; then
+  "$PY" -m pip install -q "triton==3.7.1"
+fi
 "$PY" -m pip install -q -e ".[test]"

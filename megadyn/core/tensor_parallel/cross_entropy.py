@@ -1,20 +1,24 @@
 """Cross entropy over logits split along the vocabulary, without gathering them.
 
-Each rank holds logits [s, b, V_local] for vocabulary rows [vocab_start, vocab_end). The max,
-the softmax denominator and the target logit are reduced over the tp group, so only three
-[s, b] tensors cross the network.
+Each rank holds logits [s, b, V_local] for vocabulary rows [vocab_start, vocab_start + V_local).
+The max, the softmax denominator and the target logit are reduced over the tp group, so only
+three [s, b] tensors cross the network. Both paths keep, for the backward, the input logits
+(in their own dtype, bf16 in training) and fp32 [s, b] statistics, never an fp32 softmax; the
+backward recomputes the softmax from them.
 
-Memory and passes: the forward keeps the input logits (in their own dtype, bf16 in training)
-and the [s, b] statistics, not an fp32 softmax; the backward recomputes the softmax from them.
-Each elementwise stage is a small function which `fused=True` hands to `torch.compile`, so
-that a stage is one pass over the logits (max; exp-sum and target logit; softmax minus one-hot
-times the loss gradient, cast back) instead of an fp32 copy and five passes over it. The eager
-path computes the same expressions in the same order as the unfused formula.
+    fused=False  eager torch: the max is all-reduced first, then exp-sum and target logit are
+                 taken against it (the CPU path, and the reference the fused one is tested on)
+    fused=True   Triton kernels (cross_entropy_kernels.py): one pass over the logits gives each
+                 rank's local max m, local sum s of exp(l - m) and raw target logit t; then
+                 M = max over tp of m, S = sum over tp of s * exp(m - M), T = sum over tp of t,
+                 loss = log S + M - T. The backward is one pass too: it reads the logits once
+                 and writes (exp(l - M) / S - onehot(target)) * grad_loss in their dtype.
+
+The fused path needs CUDA logits (or Triton's interpreter); the model picks it by default where
+the logits are on a GPU (GPTConfig.fused_loss).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -22,8 +26,19 @@ import torch.distributed as dist
 from megadyn.core.tensor_parallel.mappings import group_size
 
 
-def _local_max(logits: torch.Tensor) -> torch.Tensor:
-    return logits.float().max(dim=-1).values  # [s, b]
+def _all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def _all_reduce_sum_pair(a: torch.Tensor, b: torch.Tensor, group):
+    """Sum two same-shaped tensors over the group with one all-reduce."""
+    if group_size(group) == 1:
+        return a, b
+    stacked = torch.stack([a, b])  # [2, s, b]
+    dist.all_reduce(stacked, group=group)
+    return stacked.unbind(0)
 
 
 def _exp_sum_and_target(logits, logits_max, local_target, outside):
@@ -39,51 +54,67 @@ def _grad_logits(logits, logits_max, sum_exp, local_target, outside, grad_loss):
     """(softmax - onehot(target)) * grad_loss, in the logits' dtype."""
     grad = logits.to(torch.float32, copy=True).sub_(logits_max.unsqueeze(-1))  # [s, b, V/tp]
     grad.exp_().div_(sum_exp.unsqueeze(-1))
-    # minus the one-hot target as an elementwise compare (a scatter would make the compiled
-    # kernel materialize an fp32 [s, b, V/tp] buffer); x - 1 and x - 0 round as x + (-1), x + 0
     vocab = torch.arange(grad.shape[-1], device=grad.device)  # [V/tp]
     onehot = (vocab == local_target.unsqueeze(-1)) & ~outside.unsqueeze(-1)  # [s, b, V/tp]
     grad.sub_(onehot.to(grad.dtype))
     return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=False)
-
-
-def _kernel(fn, fused: bool):
-    return _compiled(fn) if fused else fn
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Eager torch; fp32 copies of the logits live only inside each stage."""
+
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group, fused):
-        logits_max = _kernel(_local_max, fused)(logits)  # [s, b] fp32
-        if group_size(group) > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    def forward(ctx, logits, target, vocab_start, group):
+        logits_max = _all_reduce_max(logits.float().max(dim=-1).values, group)  # [s, b] fp32
         vocab_end = vocab_start + logits.shape[-1]
         outside = (target < vocab_start) | (target >= vocab_end)
         local_target = (target - vocab_start).masked_fill(outside, 0)
-        target_logit, sum_exp = _kernel(_exp_sum_and_target, fused)(
-            logits, logits_max, local_target, outside
+        target_logit, sum_exp = _all_reduce_sum_pair(
+            *_exp_sum_and_target(logits, logits_max, local_target, outside), group
         )
-        if group_size(group) > 1:
-            stacked = torch.stack([target_logit, sum_exp])  # one all-reduce for both
-            dist.all_reduce(stacked, group=group)
-            target_logit, sum_exp = stacked.unbind(0)
-        loss = sum_exp.log() - target_logit  # [s, b]
-        ctx.fused = fused
         ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
-        return loss
+        return sum_exp.log() - target_logit  # [s, b]
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
-        grad = _kernel(_grad_logits, ctx.fused)(
-            logits, logits_max, sum_exp, local_target, outside, grad_loss.contiguous()
+        grad = _grad_logits(logits, logits_max, sum_exp, local_target, outside, grad_loss)
+        return grad, None, None, None
+
+
+def _kernels():
+    try:
+        from megadyn.core.tensor_parallel import cross_entropy_kernels
+    except ImportError as e:  # triton comes with torch's CUDA builds
+        raise ImportError(
+            "the fused cross entropy needs Triton; install it or use fused=False "
+            "(--no-cross-entropy-loss-fusion)"
+        ) from e
+    return cross_entropy_kernels
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """Triton kernels: one pass over the logits forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        kernels = _kernels()
+        local_max, local_sum, target_logit = kernels.row_statistics(logits, target, vocab_start)
+        logits_max = _all_reduce_max(local_max.clone(), group)  # [s, b] fp32
+        sum_exp, target_logit = _all_reduce_sum_pair(
+            local_sum * (local_max - logits_max).exp(), target_logit, group
         )
-        return grad, None, None, None, None
+        ctx.vocab_start = vocab_start
+        ctx.save_for_backward(logits, target, logits_max, sum_exp)
+        return sum_exp.log() + logits_max - target_logit  # [s, b]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, logits_max, sum_exp = ctx.saved_tensors
+        grad = _kernels().grad_logits(
+            logits, target, ctx.vocab_start, logits_max, sum_exp, grad_loss
+        )
+        return grad, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -91,6 +122,8 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Per-token loss [s, b] (float32) from local logits [s, b, V_local] and targets [s, b].
 
-    `fused` compiles the elementwise stages with `torch.compile` (a CUDA speed-up; same math).
+    `fused` runs the Triton kernels (CUDA logits; same math, one pass each way); an error, not
+    a silent fallback, where they cannot run.
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group, fused)
+    function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
+    return function.apply(logits, target, vocab_start, group)
