@@ -70,7 +70,7 @@ def parse() -> argparse.Namespace:
         "--fused-loss",
         choices=["auto", "on", "off"],
         default="auto",
-        help="torch.compile the cross entropy's elementwise stages (auto: on a GPU)",
+        help="the cross entropy through its Triton kernels (auto: on a GPU)",
     )
     p.add_argument(
         "--attention-backend",

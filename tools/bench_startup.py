@@ -5,7 +5,7 @@
 Each component runs in a new Python process, as a restarted worker would: the interpreter,
 `import torch`, CUDA's context, the imports of pretrain_gpt.py, and the first against the
 second call of cuDNN attention (forward and backward, the reference shape) and of the
-compiled vocab-parallel cross entropy. The recovery path of a restarted job pays each of these
+fused (Triton) vocab-parallel cross entropy. The recovery path of a restarted job pays each of these
 (megadyn/training/startup.py logs where its own start went).
 """
 
@@ -49,7 +49,7 @@ WHOLE = {  # component: code, timed from before the interpreter starts to its ex
     "import torch + CUDA context": "import torch; torch.zeros(1, device='cuda')",
     "import pretrain_gpt": "import pretrain_gpt",
 }
-FIRST_SECOND = {"cuDNN attention fwd+bwd": ATTENTION, "compiled cross entropy": CROSS_ENTROPY}
+FIRST_SECOND = {"cuDNN attention fwd+bwd": ATTENTION, "fused cross entropy": CROSS_ENTROPY}
 
 
 def run(code: str) -> tuple[float, str]:

@@ -64,8 +64,8 @@ class GPTConfig:
     """Under sequence parallelism, overlap the all-gathers and reduce-scatters of the linear
     layers with their GEMMs (megadyn/core/tensor_parallel/overlap.py) (--tp-comm-overlap)."""
     fused_loss: bool | None = None
-    """`torch.compile` the vocab-parallel cross entropy's elementwise stages; None: when the
-    logits are on a GPU (the math is the same; eager on the CPU)."""
+    """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
+    when the logits are on a GPU (the math is the same; eager on the CPU)."""
     attention_backend: str = "auto"
     """Kernel of the attention (--attention-backend, Megatron's names): 'flash' (torch's flash
     kernel), 'fused' (cuDNN's fused attention), 'unfused' or 'local' (plain math), 'auto'

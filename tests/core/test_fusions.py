@@ -1,5 +1,5 @@
 """Fused paths equal the plain ones: weight-gradient accumulation into main_grad, and the
-vocab-parallel cross entropy against torch's (the compiled variant runs only on GPUs)."""
+vocab-parallel cross entropy against torch's (the fused Triton kernels: tests/core/test_cross_entropy_kernels.py)."""
 
 import torch
 import torch.nn.functional as F
