@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
@@ -25,6 +26,10 @@ from megadyn.training.watchdog import Watchdog
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     startup.mark("python and imports")
+    # seconds of imports that the start itself does not need: checkpoints (snapshots) and the
+    # cross entropy's kernels, imported while the process group comes up and the model is built
+    kernels = ["triton"] if torch.cuda.is_available() else []
+    startup.import_beside("torch.distributed.checkpoint", *kernels)
     device = init_distributed(distributed_timeout(argv))
     startup.mark("process group")
     world = dist.get_world_size()

@@ -29,7 +29,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from megadyn.training.checkpoint_items import (
     OPTIM_KEYS,
@@ -39,7 +38,7 @@ from megadyn.training.checkpoint_items import (
     rng_items,
     set_rng_items,
 )
-from megadyn.training.checkpoint_reader import ParallelFileSystemReader
+from megadyn.training.checkpoint_reader import dcp, parallel_reader
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "megadyn.json"
@@ -67,7 +66,7 @@ def required_pieces(path: str) -> dict[str, int] | None:
     """{storage file: least size in bytes} that the checkpoint's `.metadata` references, with
     `.metadata` itself; None when the metadata is missing or unreadable."""
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = dcp().FileSystemReader(path).read_metadata()
     except (OSError, ValueError, EOFError, AttributeError, pickle.UnpicklingError):
         return None
     need = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
@@ -234,6 +233,8 @@ def save_checkpoint(
 
 HOST_MEMORY_WRITERS = 4
 """Writer threads per rank for saves into host memory (in-memory snapshots)."""
+READ_THREADS = 8
+"""Reader threads per rank for loads (checkpoint_reader.py)."""
 
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megadyn-ckpt")
 
@@ -242,12 +243,12 @@ def _save(items, path, group, after_write, copied, in_host_memory: bool) -> None
     if copied is not None:  # the device-to-host copies into the staging buffers
         copied.synchronize()
     if in_host_memory:  # files in shared memory: several writers, nothing to fsync
-        writer = dcp.FileSystemWriter(path, sync_files=False, thread_count=HOST_MEMORY_WRITERS)
+        writer = dcp().FileSystemWriter(path, sync_files=False, thread_count=HOST_MEMORY_WRITERS)
     else:
-        writer = dcp.FileSystemWriter(path)
+        writer = dcp().FileSystemWriter(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
+        dcp().save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
     if after_write is not None:
         after_write(path)
 
@@ -284,7 +285,7 @@ def read_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             meta = json.load(f)
-        reader = ParallelFileSystemReader(path, threads=HOST_MEMORY_WRITERS)
+        reader = parallel_reader(path, threads=READ_THREADS)
         metadata = reader.read_metadata()
     except (OSError, ValueError, EOFError) as e:
         raise CheckpointError(f"--load {path}: checkpoint is unreadable ({e})") from e
@@ -298,8 +299,8 @@ def read_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(items, storage_reader=reader, process_group=groups.members_group)
-    except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps file errors per rank
+            dcp().load(items, storage_reader=reader, process_group=groups.members_group)
+    except (Exception, dcp().api.CheckpointException) as e:  # DCP wraps file errors per rank
         raise CheckpointError(f"--load {path}: reading the checkpoint failed: {e}") from e
     return ReadCheckpoint(path, meta, items, has_optim, bool(rng))
 

@@ -1,5 +1,6 @@
 """Where the start of this process went: a few named phases, logged after a restart.
 
+    startup.import_beside("torch.distributed.checkpoint")   # slow imports, in a thread
     startup.mark("process groups")       # the phase that ends now
     startup.timeline(since=t_fail)       # "processes started 2.1 s after it, imports 3.0 s, ..."
 
@@ -9,7 +10,9 @@ The first phase runs from the moment the operating system started this process (
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 import time
 
 _PHASES: list[tuple[str, float]] = []
@@ -28,6 +31,21 @@ def process_start_time() -> float:
 
 
 _STARTED = process_start_time()
+
+
+def import_beside(*modules: str) -> None:
+    """Import `modules` in a background thread while this one goes on (process group, model
+    build): a later import of the same module waits for that thread's import to finish. A
+    module that fails to import here is imported (and fails) again where it is used."""
+
+    def run():
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+
+    threading.Thread(target=run, name="megadyn-imports", daemon=True).start()
 
 
 def mark(phase: str) -> None:

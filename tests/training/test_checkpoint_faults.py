@@ -13,7 +13,8 @@ def crash_on_second_save(rank, world, argv):
     import pretrain_gpt
     from megadyn.training import checkpoint
 
-    real_save = checkpoint.dcp.save
+    dcp = checkpoint.dcp()  # the torch.distributed.checkpoint module
+    real_save = dcp.save
 
     def save(items, checkpoint_id, **kw):
         if "0000004" in checkpoint_id:
@@ -23,7 +24,7 @@ def crash_on_second_save(rank, world, argv):
             os._exit(9)  # killed in the middle of writing
         return real_save(items, checkpoint_id=checkpoint_id, **kw)
 
-    checkpoint.dcp.save = save
+    dcp.save = save
     return pretrain_gpt.main(list(argv))
 
 
