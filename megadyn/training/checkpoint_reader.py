@@ -53,9 +53,15 @@ def _reader_class():
             read_file = super().read_data
 
             def read(items):
-                if device is not None:  # the current device is per thread
-                    torch.cuda.set_device(device)
-                read_file(dataclasses.replace(plan, items=items), planner).wait()
+                if device is None:
+                    return read_file(dataclasses.replace(plan, items=items), planner).wait()
+                torch.cuda.set_device(device)  # the current device is per thread
+                stream = torch.cuda.Stream(device)  # the threads' copies to the device overlap
+                # the targets were allocated on the default stream: its work so far goes first
+                stream.wait_stream(torch.cuda.default_stream(device))
+                with torch.cuda.stream(stream):
+                    read_file(dataclasses.replace(plan, items=items), planner).wait()
+                stream.synchronize()
 
             with ThreadPoolExecutor(len(loads)) as pool:
                 list(pool.map(read, [items for _, items in loads]))
