@@ -109,13 +109,12 @@ def resume(trainer) -> None:
         say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
         start = time.perf_counter()
 
-        def read():  # collectives: the gloo members group
-            read = trainer.read(path)
-            return read, time.perf_counter() - start
+        def read_snapshot():  # its collectives use the gloo members group
+            return trainer.read(path), time.perf_counter() - start
 
         with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
-            reading = pool.submit(read)
-            trainer.warm_up()  # the NCCL groups meanwhile
+            reading = pool.submit(read_snapshot)
+            trainer.warm_up()  # the device groups meanwhile
             loaded, seconds = reading.result()
         trainer.adopt(loaded)
         startup.mark("snapshot read beside a warm-up step")

@@ -71,6 +71,10 @@ def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
         assert last_before - snap <= interval + 1  # the lost work is at most a snapshot interval
     assert_matches_reference(text, reference)
     logged = recovery_times(text)  # the job's own line, timed from the last heartbeat
+    lines = [line for line in text.splitlines() if "recovery: restart" in line]
+    for line in lines:  # where each restart went, phase by phase
+        phases = ("process started", "python and imports", "snapshot located", "first step")
+        assert all(phase in line for phase in phases), line
     assert [r["restart"] for r in logged] == [1, 2] and [r["resumed"] for r in logged] == resumed
     for (last_before, killed, _, back), snap, rec in zip(kills, resumed, logged):
         # the kill races with the step after the one the test saw logged
