@@ -8,13 +8,19 @@
 from __future__ import annotations
 
 import sys
+
+if __name__ == "__main__":  # a restarted worker may run in a child of the host's fork server
+    from megadyn.training import fork_server, startup
+
+    fork_server.hand_over(sys.argv[1:], startup.process_start_time())
+
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.training import startup
+from megadyn.training import fork_server, startup
 from megadyn.training.arguments import distributed_timeout
 from megadyn.training.config import ConfigError
 from megadyn.training.distributed_init import init_distributed, restart_count
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None):
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
+    if cfg.parallel.elastic_fork_server and not restart:
+        fork_server.start(__file__)  # for the workers of later attempts
     watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # under torchrun only
     try:
         if cfg.parallel.elastic:

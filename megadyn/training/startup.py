@@ -48,6 +48,15 @@ def import_beside(*modules: str) -> None:
     threading.Thread(target=run, name="megadyn-imports", daemon=True).start()
 
 
+def restarted_from(started: float) -> None:
+    """This process was forked for a worker whose own process started at `started` (wall
+    clock; megadyn/training/fork_server.py): its phases count from there."""
+    global _STARTED
+    _STARTED = started
+    _PHASES.clear()
+    mark("hand-over to the fork server")
+
+
 def mark(phase: str) -> None:
     """The phase named `phase` of this process's start ends now."""
     _PHASES.append((phase, time.time()))

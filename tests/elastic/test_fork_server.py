@@ -1,0 +1,68 @@
+"""--elastic-fork-server: the workers of a restarted attempt fork from a pre-imported process
+per host instead of importing torch again, and train exactly like an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import time
+
+import recovery_helpers as helpers
+
+from megadyn.testing import free_port, run_pretrain, spawn
+
+
+def test_restarted_workers_fork_from_the_server(tmp_path):
+    iters, interval = 32, 4
+    reference = spawn(run_pretrain, world=1, args=(helpers.args(iters),))[0]
+    run_id = f"fork-{free_port()}"
+    cmd = helpers.torchrun_cmd(
+        [
+            "pretrain_gpt.py",
+            *helpers.args(iters),
+            "--tensor-model-parallel-size",
+            "2",
+            "--elastic-snapshot-interval",
+            str(interval),
+            "--elastic-snapshot-dir",
+            str(tmp_path / "shm"),
+            "--elastic-fork-server",
+        ],
+        nproc=2,
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id=run_id,
+    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    job = subprocess.Popen(
+        cmd, cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    sock = f"/tmp/megadyn-fork-{run_id.replace('-', '_')}-{job.pid}.sock"
+    log, kills, starts, progress = [], [], 0, helpers.Progress()
+    deadline = time.monotonic() + 240
+    for line in job.stdout:
+        log.append(line)
+        progress.read(line)
+        starts += " megadyn: 2 processes" in line
+        # kill a worker once snapshot 8 is complete and the fork server is listening, and a
+        # forked one once the restarted job completed snapshot 16
+        after, snap = (10, 8) if not kills else (20, 16)
+        ready = os.path.exists(sock) and starts == len(kills) + 1
+        if len(kills) < 2 and progress.past(after, snap) and ready:
+            kills.append(sorted(helpers.workers_of(job.pid))[1])
+            os.kill(kills[-1], signal.SIGKILL)
+        if time.monotonic() > deadline:
+            job.kill()
+            break
+    assert job.wait(timeout=60) == 0, "".join(log[-40:])
+    text = "".join(log)
+    assert len(kills) == 2, text[-3000:]
+    helpers.assert_matches_reference(text, reference)
+    restarts = [line for line in text.splitlines() if "recovery: restart" in line]
+    assert [r["restart"] for r in helpers.recovery_times(text)] == [1, 2]
+    for restart in restarts:  # both restarts forked (the second one's victim was forked too)
+        assert "hand-over to the fork server" in restart, restart
+    for _ in range(50):  # the server leaves with the torchrun agent
+        if not os.path.exists(sock):
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(sock)
+    print("\n".join(restarts))
