@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 if __name__ == "__main__":  # a restarted worker may run in a child of the host's fork server
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None):
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         sys.exit(2)
-    if cfg.parallel.elastic_fork_server and not restart:
-        fork_server.start(__file__)  # for the workers of later attempts
+    if cfg.parallel.elastic_fork_server and fork_server.FORKED not in os.environ:
+        fork_server.start(__file__)  # this host had none ready: for the workers of later attempts
     watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # under torchrun only
     try:
         if cfg.parallel.elastic:

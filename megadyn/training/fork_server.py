@@ -2,7 +2,8 @@
 
 A worker that torchrun starts again spends seconds importing torch and megadyn before it does
 anything (3-8 s on the GPU machines, BENCHMARKS.md). With --elastic-fork-server, local rank 0
-of the first attempt starts one server process per host that imports pretrain_gpt.py (torch,
+of the first attempt (or of any attempt a host ran without one) starts one server process per
+host that imports pretrain_gpt.py (torch,
 megadyn, torch.distributed.checkpoint; never CUDA) and then waits on a unix socket. A worker
 of a later attempt hands itself over at the top of pretrain_gpt.py, before importing anything:
 
@@ -89,8 +90,9 @@ def hand_over(argv: list[str], started: float) -> None:
 
 # --- the server -------------------------------------------------------------------------------
 def start(script: str) -> None:
-    """Start this host's server for the agent of this worker (local rank 0 of the first
-    attempt); it serves once its imports are done."""
+    """Start this host's server for the agent of this worker (on local rank 0 of a worker that
+    was not forked: the first attempt, or a host that had no server ready); it serves once its
+    imports are done."""
     import subprocess
 
     path = socket_path()
