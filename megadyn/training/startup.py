@@ -14,8 +14,7 @@ import importlib
 import os
 import threading
 import time
-
-_PHASES: list[tuple[str, float]] = []
+from dataclasses import dataclass, field
 
 
 def process_start_time() -> float:
@@ -30,7 +29,27 @@ def process_start_time() -> float:
         return time.time()
 
 
-_STARTED = process_start_time()
+@dataclass
+class Timeline:
+    """When this process started and when each named phase of its start ended."""
+
+    started: float
+    phases: list[tuple[str, float]] = field(default_factory=list)
+
+    def mark(self, phase: str) -> None:
+        self.phases.append((phase, time.time()))
+
+    def line(self, since: float | None = None) -> str:
+        parts = [] if since is None else [f"process started {self.started - since:.1f} s after it"]
+        previous = self.started
+        for phase, at in self.phases:
+            parts.append(f"{phase} {at - previous:.1f} s")
+            previous = at
+        return ", ".join(parts)
+
+
+CLOCK = Timeline(process_start_time())
+"""This process's timeline (a forked worker's is restarted from its client's start)."""
 
 
 def import_beside(*modules: str) -> None:
@@ -51,23 +70,17 @@ def import_beside(*modules: str) -> None:
 def restarted_from(started: float) -> None:
     """This process was forked for a worker whose own process started at `started` (wall
     clock; megadyn/training/fork_server.py): its phases count from there."""
-    global _STARTED
-    _STARTED = started
-    _PHASES.clear()
-    mark("hand-over to the fork server")
+    CLOCK.started = started
+    CLOCK.phases.clear()
+    CLOCK.mark("hand-over to the fork server")
 
 
 def mark(phase: str) -> None:
     """The phase named `phase` of this process's start ends now."""
-    _PHASES.append((phase, time.time()))
+    CLOCK.mark(phase)
 
 
 def timeline(since: float | None = None) -> str:
     """The phases so far, each with its duration; with `since` (wall clock, e.g. the last
     heartbeat of a failed rank) first how long after it this process started."""
-    parts = [] if since is None else [f"process started {_STARTED - since:.1f} s after it"]
-    previous = _STARTED
-    for phase, at in _PHASES:
-        parts.append(f"{phase} {at - previous:.1f} s")
-        previous = at
-    return ", ".join(parts)
+    return CLOCK.line(since)

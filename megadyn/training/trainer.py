@@ -210,25 +210,34 @@ class Trainer:
             stack.enter_context(d.no_sync())
         return stack
 
-    def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
-        consumed = self.state.consumed_samples
-        g = self.groups
-        n = self.microbatches.num_micro_batches(consumed, g.dp_size)
-        if g.tp_rank == 0 and g.pp_rank == 0:  # one small record per step, expanded on demand
-            self.draws.append((consumed, g.dp_rank, g.dp_size, n))
+    def _zero_grads(self) -> None:
         self.optimizer.zero_grad()
         for d in self.ddp:
             d.zero_grad_buffer()
+
+    def _gradients(self, batches, n: int) -> list[torch.Tensor]:
+        """Forward and backward of `n` micro batches from `batches`, then the reductions that
+        make the gradients final; the micro batches' losses."""
         losses = forward_backward(
             self.ddp,
             self.groups,
-            self.train_loader,
+            batches,
             n,
             config=self.pipeline_cfg,
             loss_fn=lm_loss,
             no_sync=self._no_sync,
         )
         finalize_model_grads(self.ddp, self.groups)
+        return losses
+
+    def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
+        consumed = self.state.consumed_samples
+        g = self.groups
+        n = self.microbatches.num_micro_batches(consumed, g.dp_size)
+        if g.tp_rank == 0 and g.pp_rank == 0:  # one small record per step, expanded on demand
+            self.draws.append((consumed, g.dp_rank, g.dp_size, n))
+        self._zero_grads()
+        losses = self._gradients(self.train_loader, n)
         applied, grad_norm, _ = self.optimizer.step()
         if applied:
             self.scheduler.step(1)
@@ -475,19 +484,8 @@ class Trainer:
         connected = time.perf_counter()
         batch = self.train_loader.batch_at(self.train_loader.consumed_samples)
         n = self.microbatches.num_micro_batches(self.state.consumed_samples, g.dp_size)
-        forward_backward(
-            self.ddp,
-            g,
-            itertools.repeat(batch),
-            n,
-            config=self.pipeline_cfg,
-            loss_fn=lm_loss,
-            no_sync=self._no_sync,
-        )
-        finalize_model_grads(self.ddp, g)
-        self.optimizer.zero_grad()
-        for d in self.ddp:
-            d.zero_grad_buffer()
+        self._gradients(itertools.repeat(batch), n)
+        self._zero_grads()  # thrown away
         set_rng_items(g, self.chunks, rng)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
