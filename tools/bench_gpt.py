@@ -188,14 +188,13 @@ def main() -> None:
         finalize_model_grads(ddp, groups)
         opt.step()
 
-    times = []
+    times, warmup_times = [], []
     for i in range(a.warmup + a.iters):
         sync()
         t0 = time.perf_counter()
         step()
         sync()
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
+        (times if i >= a.warmup else warmup_times).append(time.perf_counter() - t0)
     if a.profile:
         profile(a, step, sync)
     times.sort()
@@ -222,6 +221,7 @@ def main() -> None:
         mbs=a.mbs,
         gbs=B,
         iter_s=round(med, 4),
+        warmup_iter_s=[round(t, 3) for t in warmup_times],  # the first includes one-time costs
         tokens_per_s_per_gpu=round(B * s / med / world, 1),
         tflops_per_gpu=round(tflops, 1),
         mfu=round(tflops / a.peak_tflops, 4),
