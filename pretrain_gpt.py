@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None):
         dist.destroy_process_group()
         sys.exit(2)
     if cfg.parallel.elastic_fork_server and fork_server.FORKED not in os.environ:
-        fork_server.start(__file__)  # this host had none ready: for the workers of later attempts
+        # this host had none ready: for the workers of later attempts
+        if fork_server.start(__file__) and dist.get_rank() == 0:
+            print(
+                " fork server: restarted workers fork from a pre-imported process on each host "
+                "(--no-elastic-fork-server turns it off)",
+                flush=True,
+            )
     watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # under torchrun only
     try:
         if cfg.parallel.elastic:

@@ -197,8 +197,8 @@ def main() -> None:
         (times if i >= a.warmup else warmup_times).append(time.perf_counter() - t0)
     if a.profile:
         profile(a, step, sync)
-    times.sort()
-    med = times[len(times) // 2]
+    ordered = sorted(times)
+    med = ordered[len(ordered) // 2]
     s, n_layers, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs
     flops = 72 * B * s * n_layers * h * h * (1 + s / (6 * h) + V / (12 * n_layers * h))
     tflops = flops / med / world / 1e12
@@ -221,6 +221,7 @@ def main() -> None:
         mbs=a.mbs,
         gbs=B,
         iter_s=round(med, 4),
+        iters_s=[round(t, 3) for t in times],
         warmup_iter_s=[round(t, 3) for t in warmup_times],  # the first includes one-time costs
         tokens_per_s_per_gpu=round(B * s / med / world, 1),
         tflops_per_gpu=round(tflops, 1),

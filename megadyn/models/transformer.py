@@ -80,11 +80,12 @@ class SelfAttention(nn.Module):
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
-            tp_comm_overlap=cfg.tp_comm_overlap,
             dtype=dtype,
             device=device,
         )
-        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv, tp_group, **kw)
+        self.linear_qkv = ColumnParallelLinear(
+            cfg.hidden_size, qkv, tp_group, tp_comm_overlap=cfg.tp_comm_overlap, **kw
+        )
         self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, **kw)
 
     def core_attention(self, q, k, v):
@@ -127,13 +128,17 @@ class MLP(nn.Module):
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
-            tp_comm_overlap=cfg.tp_comm_overlap,
             dtype=dtype,
             device=device,
         )
         # SwiGLU: local fc1 rows are [gate shard; up shard] (the global tensor is [gate; up])
         self.linear_fc1 = ColumnParallelLinear(
-            cfg.hidden_size, fc1_out, tp_group, local_output_size=fc1_out // tp, **kw
+            cfg.hidden_size,
+            fc1_out,
+            tp_group,
+            local_output_size=fc1_out // tp,
+            tp_comm_overlap=cfg.tp_comm_overlap,
+            **kw,
         )
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)
 

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     par("--elastic-reshard-chunk-mb", type=int)
     par("--elastic-control-port", type=int)
     par("--elastic-heartbeat-timeout", type=float)
-    par("--elastic-fork-server", action="store_true")
+    par("--no-elastic-fork-server", "elastic_fork_server", action="store_false")
     par("--distributed-timeout-minutes", type=int)
 
     t = _Group(p, "training", "training", TrainingConfig)

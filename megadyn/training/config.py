@@ -111,10 +111,11 @@ class ParallelConfig:
     """Under torchrun, seconds a rank may go without a heartbeat in the job's store before every
     other rank names it and exits, so that torchrun restarts the job instead of waiting in a
     collective; 0 = off (--elastic-heartbeat-timeout)."""
-    elastic_fork_server: bool = False
-    """Under torchrun, keep one process per host with torch and megadyn imported, from which
-    the workers of a restarted attempt fork instead of importing again
-    (--elastic-fork-server; megadyn/training/fork_server.py)."""
+    elastic_fork_server: bool = True
+    """Under torchrun with restarts allowed (--max-restarts > 0), keep one process per host
+    with torch and megadyn imported, from which the workers of a restarted attempt fork
+    instead of importing again (megadyn/training/fork_server.py); --no-elastic-fork-server
+    turns it off."""
     distributed_timeout_minutes: int = 10
     """Timeout of the default process group and of every group megadyn creates
     (--distributed-timeout-minutes)."""

@@ -1,7 +1,8 @@
-"""A pre-imported Python per host from which restarted workers fork (--elastic-fork-server).
+"""A pre-imported Python per host from which restarted workers fork (on under torchrun with
+--max-restarts > 0; --no-elastic-fork-server turns it off).
 
 A worker that torchrun starts again spends seconds importing torch and megadyn before it does
-anything (3-8 s on the GPU machines, BENCHMARKS.md). With --elastic-fork-server, local rank 0
+anything (3-8 s on the GPU machines, BENCHMARKS.md). With the fork server, local rank 0
 of the first attempt (or of any attempt a host ran without one) starts one server process per
 host that imports pretrain_gpt.py (torch,
 megadyn, torch.distributed.checkpoint; never CUDA) and then waits on a unix socket. A worker
@@ -52,7 +53,7 @@ def hand_over(argv: list[str], started: float) -> None:
     (having done nothing) when there is no server to hand over to."""
     path = socket_path()
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if "--elastic-fork-server" not in argv or not restarted or FORKED in os.environ:
+    if "--no-elastic-fork-server" in argv or not restarted or FORKED in os.environ:
         return
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -89,15 +90,16 @@ def hand_over(argv: list[str], started: float) -> None:
 
 
 # --- the server -------------------------------------------------------------------------------
-def start(script: str) -> None:
+def start(script: str) -> bool:
     """Start this host's server for the agent of this worker (on local rank 0 of a worker that
-    was not forked: the first attempt, or a host that had no server ready); it serves once its
-    imports are done."""
+    was not forked: the first attempt, or a host that had no server ready) when torchrun may
+    restart it; the server serves once its imports are done. Whether one was started."""
     import subprocess
 
     path = socket_path()
-    if path is None or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if path is None or restarts == 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
     subprocess.Popen(
         [sys.executable, "-m", "megadyn.training.fork_server", path, str(os.getppid()), script],
         start_new_session=True,
@@ -106,6 +108,7 @@ def start(script: str) -> None:
         stderr=subprocess.DEVNULL,
         env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
     )
+    return True
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -4,7 +4,7 @@
 # after iteration 45, once snapshot 40 is complete, and tools/bench_recovery.py times kill ->
 # next completed step.
 # Usage: bash scripts/gpu/recovery_kill.sh OUTDIR   (RECOVERY_ARGS adds pretrain_gpt.py flags,
-# e.g. RECOVERY_ARGS=--elastic-fork-server)
+# e.g. RECOVERY_ARGS=--no-elastic-fork-server to restart without the fork server)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_recovery}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -1,8 +1,8 @@
 """Tensor-parallel linear layers equal `F.linear` on the global weights, with their
 communication overlapped: the column-parallel layer's asynchronous input-gradient all-reduce
 (always on without sequence parallelism) and, under sequence parallelism with
-`tp_comm_overlap`, the ring exchanges of overlap.py; with and without gradient accumulation
-fusion into `main_grad`."""
+`tp_comm_overlap`, its reduce-scatter beside the weight-gradient GEMM (overlap.py); with and
+without gradient accumulation fusion into `main_grad`."""
 
 import itertools
 
@@ -17,7 +17,7 @@ from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megadyn.testing import spawn
 
 S, B, IN, OUT = 8, 2, 16, 24
-WORLD = 4  # tp=2 runs two tp groups, so ring peers are global ranks other than group ranks
+WORLD = 4  # tp=2 runs two tp groups: group ranks differ from global ranks
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -66,7 +66,9 @@ def local_pieces(ref: dict, cls, sp: bool, tp: int, rank: int) -> dict:
 
 def run_layer(cls, group, expected, *, sp, overlap, fuse, input_grad=True, tied=False):
     """Forward and backward of one layer holding this rank's weights; its output and grads."""
-    kw = dict(sequence_parallel=sp, tp_comm_overlap=overlap, grad_accumulation_fusion=fuse)
+    kw = dict(sequence_parallel=sp, grad_accumulation_fusion=fuse)
+    if cls is ColumnParallelLinear:  # the row-parallel layer has nothing to overlap
+        kw["tp_comm_overlap"] = overlap
     if tied:
         kw["skip_weight"] = True
     layer = cls(IN, OUT, group, **kw)

@@ -1,5 +1,6 @@
-"""--elastic-fork-server: the workers of a restarted attempt fork from a pre-imported process
-per host instead of importing torch again, and train exactly like an uninterrupted run."""
+"""The fork server (on by default under torchrun with restarts): the workers of a restarted
+attempt fork from a pre-imported process per host instead of importing torch again, and train
+exactly like an uninterrupted run."""
 
 import os
 import signal
@@ -25,7 +26,6 @@ def test_restarted_workers_fork_from_the_server(tmp_path):
             str(interval),
             "--elastic-snapshot-dir",
             str(tmp_path / "shm"),
-            "--elastic-fork-server",
         ],
         nproc=2,
         endpoint=f"127.0.0.1:{free_port()}",

@@ -58,6 +58,7 @@ def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
             str(tmp_path / "shm"),
             "--elastic-heartbeat-timeout",
             str(timeout),
+            "--no-elastic-fork-server",  # the restarted workers import as a fresh process
         ],
         nproc=4,
         endpoint=f"127.0.0.1:{free_port()}",
@@ -92,6 +93,7 @@ def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
     assert rec["restart"] == 1 and rec["silent_rank"] == stopped["rank"], rec
     assert rec["resumed"] in (8, 12) and rec["repeated"] >= 0, rec
     assert timeout <= rec["seconds"] < 120, rec  # detection alone takes the heartbeat timeout
+    assert "fork server" not in text, text[-4000:]
     print(f"\nSIGSTOP of rank {stopped['rank']}: {named[0].strip()}\n{rec}")
 
 

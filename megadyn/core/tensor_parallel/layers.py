@@ -15,8 +15,8 @@ models and modules without DDP take plain `F.linear`.
 
 Communication overlap: without sequence parallelism, a column-parallel layer all-reduces its
 input gradient (asynchronously) while its weight gradient is computed. Under sequence
-parallelism, `tp_comm_overlap` routes the layers through overlap.py (ring exchanges overlapped
-with chunked GEMMs).
+parallelism, `tp_comm_overlap` routes column-parallel layers through overlap.py (the input
+gradient's reduce-scatter runs while the weight gradient is computed).
 """
 
 from __future__ import annotations
@@ -34,19 +34,17 @@ from megadyn.core.tensor_parallel.mappings import (
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
-from megadyn.core.tensor_parallel.overlap import (
-    column_sequence_parallel_linear,
-    row_sequence_parallel_linear,
-)
+from megadyn.core.tensor_parallel.overlap import column_sequence_parallel_linear
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
 class _LinearAsyncReduce(torch.autograd.Function):
-    """y = x W^T + b with its collectives overlapped with GEMMs: the output, when summed over
-    `output_group` (row-parallel), is computed in two halves of the sequence whose all-reduces
-    run while the next half is multiplied; the input gradient, when summed over `input_group`
-    (column-parallel), is all-reduced while the weight-gradient GEMM runs (which with `fuse`
-    adds into `W.main_grad`)."""
+    """y = x W^T + b, summed over `output_group` (row-parallel) after the GEMM; the input
+    gradient, when summed over `input_group` (column-parallel), is all-reduced while the
+    weight-gradient GEMM runs (which with `fuse` adds into `W.main_grad`).
+
+    The output's all-reduce is not split to overlap the GEMM: computing and all-reducing two
+    halves of the sequence concurrently was 1.5x slower per step on H200 (BENCHMARKS.md)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, input_group, output_group, fuse):
@@ -54,16 +52,10 @@ class _LinearAsyncReduce(torch.autograd.Function):
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
         if group_size(output_group) == 1:
             return F.linear(x, weight, bias)
-        x = x.contiguous()
-        y = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
-        handles = []
         if bias is not None:
             raise ValueError("a summed output takes its bias after the sum")
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):  # halves of the sequence (dim 0)
-            torch.matmul(xs, weight.t(), out=ys)
-            handles.append(dist.all_reduce(ys, group=output_group, async_op=True))
-        for handle in handles:
-            handle.wait()
+        y = F.linear(x, weight)
+        dist.all_reduce(y, group=output_group)
         return y
 
     @staticmethod
@@ -85,8 +77,8 @@ class _LinearAsyncReduce(torch.autograd.Function):
 
 
 def _linear(x, weight, bias, fuse: bool, input_group=None, output_group=None):
-    """F.linear with the input gradient all-reduced over `input_group` or the output over
-    `output_group` (each overlapped with GEMMs, see `_LinearAsyncReduce`); the weight gradient
+    """F.linear with the input gradient all-reduced over `input_group` (overlapped with the
+    weight-gradient GEMM) or the output over `output_group`; the weight gradient
     goes into `main_grad` when `fuse_wgrad` allows."""
     fuse = fuse_wgrad(weight, fuse)
     if fuse or group_size(input_group) > 1 or group_size(output_group) > 1:
@@ -184,7 +176,6 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
-        tp_comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -192,7 +183,6 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.grad_accumulation_fusion = grad_accumulation_fusion
-        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel and group_size(tp_group) > 1
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
         self.bias = (
@@ -202,10 +192,6 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_comm_overlap and torch.is_grad_enabled():
-            fuse = fuse_wgrad(self.weight, self.grad_accumulation_fusion)
-            y = row_sequence_parallel_linear(x, self.weight, self.tp_group, fuse)  # [s/tp, b, out]
-            return y + self.bias if self.bias is not None else y
         fuse = self.grad_accumulation_fusion
         if self.sequence_parallel:
             y = _linear(x, self.weight, None, fuse)  # partial sums [s, b, out]

@@ -63,7 +63,8 @@ def _split_first(x, group):
     return x.chunk(size, dim=0)[group_rank(group)].contiguous()
 
 
-def _gather_first(x, group):
+def gather_sequence(x, group):
+    """All-gather along dim 0 (no autograd): [s/tp, ...] -> [s, ...]."""
     size = group_size(group)
     if size == 1:
         return x
@@ -134,7 +135,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_first(g, ctx.group), None
+        return gather_sequence(g, ctx.group), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -142,7 +143,7 @@ class _GatherFromSequence(torch.autograd.Function):
     def forward(ctx, x, group, output_grad_is_partial):
         ctx.group = group
         ctx.partial = output_grad_is_partial
-        return _gather_first(x, group)
+        return gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -159,7 +160,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_first(g, ctx.group), None
+        return gather_sequence(g, ctx.group), None
 
 
 def copy_to_region(x, group):
