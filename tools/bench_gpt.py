@@ -64,9 +64,6 @@ def parse() -> argparse.Namespace:
         help="weight gradients through param.grad and the DDP hook's add",
     )
     p.add_argument(
-        "--tp-comm-overlap", action="store_true", help="overlap SP collectives with GEMMs"
-    )
-    p.add_argument(
         "--fused-loss",
         choices=["auto", "on", "off"],
         default="auto",
@@ -123,7 +120,6 @@ def main() -> None:
         untie_embeddings_and_output_weights=True,
         params_dtype=torch.bfloat16,
         gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
-        tp_comm_overlap=a.tp_comm_overlap,
         fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
         attention_backend=a.attention_backend,
     )

@@ -60,9 +60,6 @@ class GPTConfig:
     gradient_accumulation_fusion: bool = True
     """Weight-gradient GEMMs of bf16/fp16 layers accumulate into the fp32 DDP `main_grad`
     directly (no bf16 gradient, no separate add); fp32 models are unaffected."""
-    tp_comm_overlap: bool = False
-    """Under sequence parallelism, overlap the all-gathers and reduce-scatters of the linear
-    layers with their GEMMs (megadyn/core/tensor_parallel/overlap.py) (--tp-comm-overlap)."""
     fused_loss: bool | None = None
     """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
     when the logits are on a GPU (the math is the same; eager on the CPU)."""

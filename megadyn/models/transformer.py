@@ -83,9 +83,7 @@ class SelfAttention(nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.linear_qkv = ColumnParallelLinear(
-            cfg.hidden_size, qkv, tp_group, tp_comm_overlap=cfg.tp_comm_overlap, **kw
-        )
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv, tp_group, **kw)
         self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, **kw)
 
     def core_attention(self, q, k, v):
@@ -137,7 +135,6 @@ class MLP(nn.Module):
             fc1_out,
             tp_group,
             local_output_size=fc1_out // tp,
-            tp_comm_overlap=cfg.tp_comm_overlap,
             **kw,
         )
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)

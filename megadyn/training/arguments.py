@@ -110,7 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     m("--make-vocab-size-divisible-by", type=int)
     m("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"])
     m("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", action="store_false")
-    m("--tp-comm-overlap", action="store_true")
     m("--cross-entropy-loss-fusion", "fused_loss", action="store_const", const=True)
     m("--no-cross-entropy-loss-fusion", "fused_loss", action="store_const", const=False)
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)

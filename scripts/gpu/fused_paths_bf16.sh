@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine: the loss of megadyn's fast paths against the plain path, bf16, same seed and
 # data. Reference: flash attention, weight gradients through param.grad, eager cross entropy.
-# With 2 GPUs or more also: tp2 + sequence parallel with --tp-comm-overlap, and dp2 with
+# With 2 GPUs or more also: tp2 and tp2 + sequence parallel (fast paths), and dp2 with
 # --overlap-param-gather (bit-equal to dp2 without it when the params arrive in time).
 # Usage: bash scripts/gpu/fused_paths_bf16.sh OUTDIR
 set -uo pipefail
@@ -30,7 +30,7 @@ fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   run tp2 2 --tensor-model-parallel-size 2
   run tp2_sp_plain 2 --tensor-model-parallel-size 2 --sequence-parallel "${PLAIN[@]}"
-  run tp2_sp_fast 2 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap
+  run tp2_sp_fast 2 --tensor-model-parallel-size 2 --sequence-parallel
   run dp2_plain 2 "${PLAIN[@]}"
   run dp2_param_overlap 2 "${PLAIN[@]}" --overlap-param-gather
   logs+=(tp2.log tp2_sp_plain.log tp2_sp_fast.log dp2_plain.log dp2_param_overlap.log)

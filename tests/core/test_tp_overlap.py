@@ -1,8 +1,7 @@
 """Tensor-parallel linear layers equal `F.linear` on the global weights, with their
-communication overlapped: the column-parallel layer's asynchronous input-gradient all-reduce
-(always on without sequence parallelism) and, under sequence parallelism with
-`tp_comm_overlap`, its reduce-scatter beside the weight-gradient GEMM (overlap.py); with and
-without gradient accumulation fusion into `main_grad`."""
+communication overlapped (the column-parallel layer's input gradient all-reduced, or
+reduce-scattered under sequence parallelism, beside the weight-gradient GEMM); with and
+without gradient accumulation fusion into `main_grad`, a tied weight, and no input gradient."""
 
 import itertools
 
@@ -64,11 +63,9 @@ def local_pieces(ref: dict, cls, sp: bool, tp: int, rank: int) -> dict:
     return out
 
 
-def run_layer(cls, group, expected, *, sp, overlap, fuse, input_grad=True, tied=False):
+def run_layer(cls, group, expected, *, sp, fuse, input_grad=True, tied=False):
     """Forward and backward of one layer holding this rank's weights; its output and grads."""
     kw = dict(sequence_parallel=sp, grad_accumulation_fusion=fuse)
-    if cls is ColumnParallelLinear:  # the row-parallel layer has nothing to overlap
-        kw["tp_comm_overlap"] = overlap
     if tied:
         kw["skip_weight"] = True
     layer = cls(IN, OUT, group, **kw)
@@ -99,25 +96,22 @@ def body(rank, world, tp):
     ref = reference()
     for cls, sp in itertools.product((ColumnParallelLinear, RowParallelLinear), (False, True)):
         expected = local_pieces(ref, cls, sp, tp, groups.tp_rank)
-        runs = {}
-        for overlap, fuse in itertools.product((False, True), (False, True)):
-            runs[overlap, fuse] = run_layer(
-                cls, groups.tp_group, expected, sp=sp, overlap=overlap, fuse=fuse
-            )
+        runs = {
+            fuse: run_layer(cls, groups.tp_group, expected, sp=sp, fuse=fuse)
+            for fuse in (False, True)
+        }
         if cls is ColumnParallelLinear:  # tied weight passed in: no fusion, plain grad
-            runs["tied"] = run_layer(
-                cls, groups.tp_group, expected, sp=sp, overlap=sp, fuse=True, tied=True
-            )
+            runs["tied"] = run_layer(cls, groups.tp_group, expected, sp=sp, fuse=True, tied=True)
         runs["no input grad"] = run_layer(
-            cls, groups.tp_group, expected, sp=sp, overlap=sp, fuse=True, input_grad=False
+            cls, groups.tp_group, expected, sp=sp, fuse=True, input_grad=False
         )
-        plain = runs[False, False]
+        plain = runs[False]
         for key, got in runs.items():
             what = f"{cls.__name__} tp={tp} sp={sp} {key}"
             for name, t in got.items():
                 # (a) against the single-process layer
                 torch.testing.assert_close(t, expected[name], **TOL, msg=f"{what} {name}")
-                # (b), (c) overlap and fusion against the plain path of the same layout
+                # (b) fusion against the plain path of the same layout
                 torch.testing.assert_close(t, plain[name], rtol=1e-5, atol=0, msg=f"{what} {name}")
     groups.destroy()
 

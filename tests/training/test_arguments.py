@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-backend",
     "--attention-dropout", "--cross-entropy-loss-fusion", "--no-cross-entropy-loss-fusion",
-    "--no-gradient-accumulation-fusion", "--tp-comm-overlap",
+    "--no-gradient-accumulation-fusion",
     "--bf16", "--ckpt-keep-last", "--clip-grad", "--data-cache-path", "--data-path",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-min-members", "--elastic-reshard-chunk-mb",
@@ -111,12 +111,11 @@ def test_megatron_style_command():
     [
         ("", dict(attention_backend="auto", gradient_accumulation_fusion=True, fused_loss=None)),
         (
-            "--attention-backend fused --no-gradient-accumulation-fusion --tp-comm-overlap "
+            "--attention-backend fused --no-gradient-accumulation-fusion "
             "--no-cross-entropy-loss-fusion",
             dict(
                 attention_backend="fused",
                 gradient_accumulation_fusion=False,
-                tp_comm_overlap=True,
                 fused_loss=False,
             ),
         ),

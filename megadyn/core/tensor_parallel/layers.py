@@ -13,10 +13,8 @@ Gradient accumulation fusion (`grad_accumulation_fusion`, on by default; wgrad.p
 layer's own weight gradient is added into its fp32 DDP `main_grad` inside the GEMM. fp32
 models and modules without DDP take plain `F.linear`.
 
-Communication overlap: without sequence parallelism, a column-parallel layer all-reduces its
-input gradient (asynchronously) while its weight gradient is computed. Under sequence
-parallelism, `tp_comm_overlap` routes column-parallel layers through overlap.py (the input
-gradient's reduce-scatter runs while the weight gradient is computed).
+Communication overlap: a column-parallel layer all-reduces its input gradient (reduce-scatters
+it under sequence parallelism) asynchronously while its weight gradient is computed.
 """
 
 from __future__ import annotations
@@ -28,28 +26,33 @@ from torch import nn
 
 from megadyn.core.tensor_parallel.mappings import (
     gather_from_region,
-    gather_from_sequence,
+    gather_sequence,
     group_rank,
     group_size,
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
-from megadyn.core.tensor_parallel.overlap import column_sequence_parallel_linear
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
 class _LinearAsyncReduce(torch.autograd.Function):
-    """y = x W^T + b, summed over `output_group` (row-parallel) after the GEMM; the input
-    gradient, when summed over `input_group` (column-parallel), is all-reduced while the
-    weight-gradient GEMM runs (which with `fuse` adds into `W.main_grad`).
+    """y = x W^T + b, summed over `output_group` (row-parallel) after the GEMM. The input
+    gradient, a partial sum over `input_group` (column-parallel), is all-reduced, or with
+    `gather_input` (sequence parallelism: x [s/tp, b, in] is all-gathered along the sequence
+    first) reduce-scattered, while the weight-gradient GEMM runs (which with `fuse` adds into
+    `W.main_grad`).
 
-    The output's all-reduce is not split to overlap the GEMM: computing and all-reducing two
-    halves of the sequence concurrently was 1.5x slower per step on H200 (BENCHMARKS.md)."""
+    No GEMM is split to run beside a collective: computing and all-reducing two halves of the
+    sequence was 1.5x slower per tp2 step on H200, and so were sequence-parallel ring exchanges
+    beside per-chunk GEMMs (BENCHMARKS.md)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, input_group, output_group, fuse):
+    def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input):
+        if gather_input:
+            x = gather_sequence(x, input_group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
+        ctx.gather_input = gather_input
         if group_size(output_group) == 1:
             return F.linear(x, weight, bias)
         if bias is not None:
@@ -64,7 +67,13 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_x, handle = None, None
         if ctx.needs_input_grad[0]:
             grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
-            if group_size(ctx.group) > 1:
+            if ctx.gather_input and group_size(ctx.group) > 1:
+                partial = grad_x
+                grad_x = partial.new_empty(
+                    (partial.shape[0] // group_size(ctx.group),) + partial.shape[1:]
+                )
+                handle = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=True)
+            elif group_size(ctx.group) > 1:
                 handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
         grad_w = None
@@ -73,16 +82,19 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def _linear(x, weight, bias, fuse: bool, input_group=None, output_group=None):
-    """F.linear with the input gradient all-reduced over `input_group` (overlapped with the
-    weight-gradient GEMM) or the output over `output_group`; the weight gradient
+def _linear(x, weight, bias, fuse: bool, input_group=None, output_group=None, gather_input=False):
+    """F.linear with the input gradient all-reduced (or, with `gather_input`, the input
+    all-gathered and its gradient reduce-scattered) over `input_group`, overlapped with the
+    weight-gradient GEMM, or the output all-reduced over `output_group`; the weight gradient
     goes into `main_grad` when `fuse_wgrad` allows."""
     fuse = fuse_wgrad(weight, fuse)
     if fuse or group_size(input_group) > 1 or group_size(output_group) > 1:
-        return _LinearAsyncReduce.apply(x, weight, bias, input_group, output_group, fuse)
+        return _LinearAsyncReduce.apply(
+            x, weight, bias, input_group, output_group, fuse, gather_input
+        )
     return F.linear(x, weight, bias)
 
 
@@ -122,14 +134,12 @@ class ColumnParallelLinear(nn.Module):
         local_output_size: int | None = None,
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
-        tp_comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.grad_accumulation_fusion = grad_accumulation_fusion
-        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel and group_size(tp_group) > 1
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp = group_size(tp_group)
@@ -143,18 +153,9 @@ class ColumnParallelLinear(nn.Module):
         own_weight = weight is None  # a passed (tied) weight has another user: no fusion
         weight = self.weight if weight is None else weight
         fuse = own_weight and self.grad_accumulation_fusion
-        if self.tp_comm_overlap and torch.is_grad_enabled():
-            y = column_sequence_parallel_linear(  # [s, b, out/tp]
-                x, weight, self.bias, self.tp_group, fuse_wgrad(weight, fuse)
-            )
-            if self.gather_output:
-                y = gather_from_region(y, self.tp_group)  # [s, b, out]
-            return y
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group)  # [s, b, in]
-            y = _linear(x, weight, self.bias, fuse)  # [s, b, out/tp]
-        else:  # the input gradient is all-reduced during the weight-gradient GEMM
-            y = _linear(x, weight, self.bias, fuse, self.tp_group)  # [s, b, out/tp]
+        # [s, b, out/tp]; the input gradient is all-reduced (reduce-scattered under sequence
+        # parallelism, whose input [s/tp, b, in] is all-gathered) during the wgrad GEMM
+        y = _linear(x, weight, self.bias, fuse, self.tp_group, gather_input=self.sequence_parallel)
         if self.gather_output:
             y = gather_from_region(y, self.tp_group)  # [s, b, out]
         return y

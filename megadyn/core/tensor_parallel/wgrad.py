@@ -4,7 +4,7 @@ When a layer's own weight has a DDP `main_grad` of a wider dtype (bf16 weights, 
 buffer), its weight-gradient GEMM adds into `main_grad` in fp32 (cuBLAS with beta = 1 and an
 fp32 output) instead of writing a bf16 gradient that the DDP hook then reads and adds. The
 layer marks `param.grad_added_to_main_grad` and hands autograd an unread placeholder, so the
-DDP hook still fires (and skips its add). Used by layers.py and overlap.py.
+DDP hook still fires (and skips its add). Used by layers.py.
 """
 
 from __future__ import annotations
