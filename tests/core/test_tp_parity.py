@@ -1,6 +1,5 @@
 """Tensor-parallel GPT equals the single-process GPT: logits, loss and every gradient."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
