@@ -3,9 +3,12 @@
 # rows of shared/bench/README.md, in one command, then a table of ratios (tools/bench_table.py).
 # Usage: bash scripts/gpu/bench_compare.sh OUTDIR [ITERS]   (needs .whl/ and .bench/, see BENCHMARKS.md)
 # ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run;
-# ROW_TIMEOUT (s, default 300) stops a run that hangs.
+# ROW_TIMEOUT (s, default 300) stops a run that hangs; ROUNDS=N (default 1) runs all the rows N
+# times in turn, and the table shows the median and each round's ratio (hosts drift, see
+# BENCHMARKS.md).
 set -uo pipefail
-OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; ROW_TIMEOUT=${ROW_TIMEOUT:-300}; mkdir -p "$OUT"
+OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; ROW_TIMEOUT=${ROW_TIMEOUT:-300}; ROUNDS=${ROUNDS:-1}
+mkdir -p "$OUT"
 ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequence parallelism)
@@ -19,15 +22,18 @@ ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequenc
   "dp4_no_param_overlap|4|--gbs 32 --no-overlap-param-gather|megadyn"
 )
 : > "$OUT/results.jsonl"
-for row in "${ROWS[@]}"; do
-  IFS='|' read -r name n args frameworks <<< "$row"
-  [[ " $ONLY " == *" $name "* ]] || continue
-  for fw in $frameworks; do
-    script=tools/bench_gpt.py; extra=$MEGADYN_ARGS
-    [ "$fw" = mcore ] && script=.bench/mcore_gpt_bench.py && extra=""
-    timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" $script $args $extra \
-      --iters "$ITERS" --warmup 3 > "$OUT/${fw}_${name}.log" 2>&1 || tail -5 "$OUT/${fw}_${name}.log"
-    grep '^{' "$OUT/${fw}_${name}.log" | sed "s/^{/{\"row\": \"$name\", /" >> "$OUT/results.jsonl"
+for round in $(seq 1 "$ROUNDS"); do
+  for row in "${ROWS[@]}"; do
+    IFS='|' read -r name n args frameworks <<< "$row"
+    [[ " $ONLY " == *" $name "* ]] || continue
+    for fw in $frameworks; do
+      script=tools/bench_gpt.py; extra=$MEGADYN_ARGS
+      [ "$fw" = mcore ] && script=.bench/mcore_gpt_bench.py && extra=""
+      log="$OUT/${fw}_${name}_r${round}.log"
+      timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" $script $args $extra \
+        --iters "$ITERS" --warmup 3 > "$log" 2>&1 || tail -5 "$log"
+      grep '^{' "$log" | sed "s/^{/{\"row\": \"$name\", \"round\": $round, /" >> "$OUT/results.jsonl"
+    done
   done
 done
 python3 tools/bench_table.py "$OUT/results.jsonl"
