@@ -4,7 +4,6 @@ exactly like an uninterrupted run."""
 
 import os
 import signal
-import subprocess
 import time
 
 import recovery_helpers as helpers
@@ -31,29 +30,24 @@ def test_restarted_workers_fork_from_the_server(tmp_path):
         endpoint=f"127.0.0.1:{free_port()}",
         run_id=run_id,
     )
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    job = subprocess.Popen(
-        cmd, cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    sock = f"/tmp/megadyn-fork-{run_id.replace('-', '_')}-{job.pid}.sock"
-    log, kills, starts, progress = [], [], 0, helpers.Progress()
-    deadline = time.monotonic() + 240
-    for line in job.stdout:
-        log.append(line)
+    kills, starts, progress = [], [0], helpers.Progress()
+    sock = []  # the agent's socket path, once the agent exists
+
+    def on_line(line, agents):
+        if not sock:
+            sock.append(f"/tmp/megadyn-fork-{run_id.replace('-', '_')}-{agents[0].pid}.sock")
         progress.read(line)
-        starts += " megadyn: 2 processes" in line
+        starts[0] += " megadyn: 2 processes" in line
         # kill a worker once snapshot 8 is complete and the fork server is listening, and a
         # forked one once the restarted job completed snapshot 16
         after, snap = (10, 8) if not kills else (20, 16)
-        ready = os.path.exists(sock) and starts == len(kills) + 1
+        ready = os.path.exists(sock[0]) and starts[0] == len(kills) + 1
         if len(kills) < 2 and progress.past(after, snap) and ready:
-            kills.append(sorted(helpers.workers_of(job.pid))[1])
+            kills.append(sorted(helpers.workers_of(agents[0].pid))[1])
             os.kill(kills[-1], signal.SIGKILL)
-        if time.monotonic() > deadline:
-            job.kill()
-            break
-    assert job.wait(timeout=60) == 0, "".join(log[-40:])
-    text = "".join(log)
+
+    (rc,), text = helpers.run_torchrun([cmd], on_line)
+    assert rc == 0, text[-4000:]
     assert len(kills) == 2, text[-3000:]
     helpers.assert_matches_reference(text, reference)
     restarts = [line for line in text.splitlines() if "recovery: restart" in line]
@@ -61,10 +55,10 @@ def test_restarted_workers_fork_from_the_server(tmp_path):
     for restart in restarts:  # both restarts forked (the second one's victim was forked too)
         assert "hand-over to the fork server" in restart, restart
     for _ in range(50):  # the server leaves with the torchrun agent
-        if not os.path.exists(sock):
+        if not os.path.exists(sock[0]):
             break
         time.sleep(0.1)
-    assert not os.path.exists(sock)
+    assert not os.path.exists(sock[0])
     print("\n".join(restarts))
 
 

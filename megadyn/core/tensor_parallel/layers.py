@@ -30,6 +30,7 @@ from megadyn.core.tensor_parallel.mappings import (
     group_rank,
     group_size,
     reduce_from_region,
+    reduce_scatter_sequence,
     reduce_scatter_to_sequence,
 )
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
@@ -67,12 +68,8 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_x, handle = None, None
         if ctx.needs_input_grad[0]:
             grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
-            if ctx.gather_input and group_size(ctx.group) > 1:
-                partial = grad_x
-                grad_x = partial.new_empty(
-                    (partial.shape[0] // group_size(ctx.group),) + partial.shape[1:]
-                )
-                handle = dist.reduce_scatter_tensor(grad_x, partial, group=ctx.group, async_op=True)
+            if ctx.gather_input:
+                grad_x, handle = reduce_scatter_sequence(grad_x, ctx.group, async_op=True)
             elif group_size(ctx.group) > 1:
                 handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]

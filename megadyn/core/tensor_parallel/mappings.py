@@ -74,14 +74,17 @@ def gather_sequence(x, group):
     return out
 
 
-def _reduce_scatter_first(x, group):
+def reduce_scatter_sequence(x, group, async_op: bool = False):
+    """Reduce-scatter partial sums along dim 0 (no autograd): [s, ...] -> [s/tp, ...]; with
+    `async_op`, (output, work handle or None) so the caller can overlap it."""
     size = group_size(group)
     if size == 1:
-        return x
+        return (x, None) if async_op else x
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)  # [s/tp, b, h] from partial [s, b, h]
-    return out
+    # [s/tp, b, h] from partial [s, b, h]
+    work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -148,7 +151,7 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.partial:
-            return _reduce_scatter_first(g, ctx.group), None, None
+            return reduce_scatter_sequence(g, ctx.group), None, None
         return _split_first(g, ctx.group), None, None
 
 
@@ -156,7 +159,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_first(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, g):
