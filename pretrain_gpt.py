@@ -103,6 +103,7 @@ def train(cfg, device, watchdog: Watchdog | None) -> list[float]:
     trainer.resume()
     history = trainer.train()
     trainer.drop_snapshots()  # the run is done: every host's snapshot dir goes
+    trainer.drop_cuda_graph()
     groups.destroy()
     return history
 

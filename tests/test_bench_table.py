@@ -30,6 +30,8 @@ def test_rounds_give_medians_and_per_round_ratios(tmp_path):
         result("tp2", "megatron-core", 3, 30000.0),
         result("tp2", "megadyn", 3, 36000.0),
         result("tp2_sp", "megadyn", 1, 25000.0),  # one framework only: no ratio
+        result("tp2:graph", "megadyn", 1, 40000.0),  # a variant: compared with tp2's mcore
+        result("tp2:graph", "megadyn", 2, 12000.0),
     ]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in runs))
@@ -39,6 +41,9 @@ def test_rounds_give_medians_and_per_round_ratios(tmp_path):
     assert cells[1:5] == ["20,000", "30,000", "1.500", "1.500 1.100 1.200"], cells
     sp = next(line for line in lines if line.startswith("| tp2_sp |"))
     assert [c.strip() for c in sp.strip("|").split("|")][1:5] == ["-", "25,000", "-", "-"]
+    graph = next(line for line in lines if line.startswith("| tp2:graph |"))
+    cells = [c.strip() for c in graph.strip("|").split("|")]
+    assert cells[1:5] == ["20,000", "26,000", "1.300", "2.000 1.200"], cells
 
 
 def test_a_single_run_without_rounds_reads_as_round_zero(tmp_path):

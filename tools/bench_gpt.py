@@ -23,7 +23,12 @@ from megadyn.core.distributed import DistributedDataParallel, finalize_model_gra
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig, build_optimizer
-from megadyn.core.pipeline import PipelineConfig, forward_backward
+from megadyn.core.pipeline import (
+    MicroBatchGraph,
+    PipelineConfig,
+    check_cuda_graph,
+    forward_backward,
+)
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.models import GPTConfig, build_gpt_chunks
@@ -75,6 +80,12 @@ def parse() -> argparse.Namespace:
         default="auto",
         help="attention kernel (fused = cuDNN; auto = cuDNN first on Hopper)",
     )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay each micro batch's forward and backward from a CUDA graph (pp 1)",
+    )
+    p.add_argument("--cuda-graph-warmup-steps", type=int, default=2)
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
     )
@@ -169,6 +180,16 @@ def main() -> None:
             torch.cuda.synchronize(device)
 
     data = batches()
+    graph = None
+    if a.cuda_graph:
+        recompute_kind = None if a.recompute == "none" else a.recompute
+        check_cuda_graph(
+            pp=a.pp, vpp=a.vpp or 1, dropout=0.0, recompute=recompute_kind, device=device
+        )
+        graph = MicroBatchGraph(a.cuda_graph_warmup_steps)
+
+    def loss_fn(loss, batch):
+        return loss.float().mean()
 
     def step():
         opt.zero_grad()
@@ -178,8 +199,9 @@ def main() -> None:
             data,
             num_micro,
             config=pipe,
-            loss_fn=lambda loss, b: loss.float().mean(),
+            loss_fn=loss_fn,
             no_sync=no_sync,
+            cuda_graph=graph,
         )
         finalize_model_grads(ddp, groups)
         opt.step()
@@ -208,6 +230,7 @@ def main() -> None:
         vpp=a.vpp,
         dp=layout.dp,
         sp=a.sp,
+        cuda_graph=a.cuda_graph,
         attn="sdpa",
         attention_backend=a.attention_backend,
         recompute=a.recompute,
@@ -226,6 +249,8 @@ def main() -> None:
     )
     if dist.get_rank() == 0:
         print(json.dumps(res), flush=True)
+    if graph is not None:
+        graph.reset()  # before its communicators go (NCCL waits for graphs that use them)
     groups.destroy()
     dist.destroy_process_group()
 

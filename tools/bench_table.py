@@ -5,7 +5,8 @@ python tools/bench_table.py results.jsonl
 With several rounds of the same rows (ROUNDS=N in bench_compare.sh, which alternates the
 frameworks and rows within each round), each cell is the median over the rounds and `ratios`
 lists the ratio of each round, so that a host whose speed drifts during the command shows as a
-spread instead of one lucky or unlucky pair.
+spread instead of one lucky or unlucky pair. A row named `base:variant` (a megadyn-only
+variant, such as `tp2:graph`) is compared with the Megatron-Core run of its base row.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def table(rows: dict[str, dict[str, dict[int, dict]]]) -> list[str]:
         return "-" if value is None else fmt.format(value)
 
     for name, r in rows.items():
-        m, d = r.get("megatron-core"), r.get("megadyn")
+        base = rows.get(name.split(":")[0], {})  # "tp2:graph" is a megadyn variant of "tp2"
+        m, d = r.get("megatron-core") or base.get("megatron-core"), r.get("megadyn")
         mt, dt = median(m, TOKENS), median(d, TOKENS)
         ratio = f"{dt / mt:.3f}" if mt and dt else "-"
         per_round = " ".join(f"{x:.3f}" for x in round_ratios(m, d)) or "-"

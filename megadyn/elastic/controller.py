@@ -198,6 +198,7 @@ class ElasticController:
         t_reshard = time.perf_counter()
         if trainer is not None:
             old_groups = trainer.groups
+            trainer.drop_cuda_graph()
             if rank not in new_members:
                 trainer.release()
             old_groups.destroy()

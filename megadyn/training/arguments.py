@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megadyn.core.optimizer import OptimizerConfig
+from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
 from megadyn.elastic.requests import validate_for
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     t("--eval-iters", type=int)
     t("--exit-interval", type=int)
     t("--seed", type=int)
+    t("--enable-cuda-graph", action="store_true")
+    t("--cuda-graph-warmup-steps", type=int)
     r = _Group(p, "activation recomputation", "recompute", RecomputeConfig)
     r("--recompute-granularity", "granularity", choices=["full", "selective"])
     r("--recompute-method", "method", choices=["uniform", "block"])
@@ -388,6 +391,18 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
             f"--recompute-num-layers ({rc.num_layers}) exceeds the layers of one pipeline "
             f"chunk ({chunk_layers})"
         )
+    if train.enable_cuda_graph:
+        try:
+            check_cuda_graph(
+                pp=layout.pp,
+                vpp=layout.vpp,
+                dropout=max(model.hidden_dropout, model.attention_dropout),
+                recompute=rc.granularity,
+                device=None,
+            )
+            MicroBatchGraph(train.cuda_graph_warmup_steps)
+        except ValueError as err:
+            raise ConfigError.from_error(err) from err
     check_schedule(cfg.scheduler, cfg.optimizer, train.train_iters)
     _validate_data(cfg)
     ckpt = cfg.checkpoint

@@ -172,6 +172,11 @@ class TrainingConfig:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """Activation recomputation (--recompute-granularity, --recompute-method,
     --recompute-num-layers)."""
+    enable_cuda_graph: bool = False
+    """Replay each micro batch's forward and backward from a CUDA graph captured after the
+    warm-up steps; pp 1, no dropout, no recomputation (--enable-cuda-graph)."""
+    cuda_graph_warmup_steps: int = 3
+    """Eager steps before the CUDA graph is captured (--cuda-graph-warmup-steps)."""
 
 
 @dataclass(frozen=True)

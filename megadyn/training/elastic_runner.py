@@ -80,6 +80,7 @@ def run_elastic(cfg, device, *, watchdog=None, print_fn=print) -> dict:
         losses.update(trainer.loss_by_iteration)
         samples += trainer.samples_drawn
         controller.finish(trainer)
+        trainer.drop_cuda_graph()
         trainer.groups.destroy()
         break
     return {"losses": losses, "samples": samples, "events": controller.events}

@@ -26,7 +26,12 @@ from megadyn.core.distributed import (
     finalize_model_grads,
 )
 from megadyn.core.optimizer import build_optimizer
-from megadyn.core.pipeline import PipelineConfig, forward_backward
+from megadyn.core.pipeline import (
+    MicroBatchGraph,
+    PipelineConfig,
+    check_cuda_graph,
+    forward_backward,
+)
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.data.sampler import micro_batch_indices
 from megadyn.models import build_gpt_chunks, masked_mean
@@ -143,6 +148,28 @@ class Trainer:
         self.train_loader = build_loader(
             self.data.train, cfg, groups.dp_rank, groups.dp_size, self.state.consumed_samples
         )
+        self.cuda_graph = self._cuda_graph(groups.layout)
+
+    def _cuda_graph(self, layout) -> MicroBatchGraph | None:
+        """A new (uncaptured) micro-batch graph for this layout under --enable-cuda-graph; None
+        where the layout cannot be captured (a planner's pp > 1 after a reconfiguration)."""
+        t, m = self.cfg.training, self.model_cfg
+        if not t.enable_cuda_graph:
+            return None
+        try:
+            check_cuda_graph(
+                pp=layout.pp,
+                vpp=layout.vpp,
+                dropout=max(m.hidden_dropout, m.attention_dropout),
+                recompute=t.recompute.granularity,
+                device=self.device,
+            )
+        except ValueError as err:
+            if layout.pp > 1 and self.state.iteration > 0:  # a layout the planner chose
+                self.print(f" CUDA graph off for layout {layout}: {err}")
+                return None
+            raise
+        return MicroBatchGraph(t.cuda_graph_warmup_steps)
 
     # --- live reshard (megadyn/elastic) ---------------------------------------------------------
     def export_state(self) -> dict[str, torch.Tensor]:
@@ -192,8 +219,15 @@ class Trainer:
         for d in self.ddp:
             d.finish_param_gather()
 
+    def drop_cuda_graph(self) -> None:
+        """Free the captured graph; call before the groups' communicators are destroyed (NCCL
+        waits for the graphs that use a communicator). The next step captures again."""
+        if getattr(self, "cuda_graph", None) is not None:
+            self.cuda_graph.reset()
+
     def release(self) -> None:
         """Drop the layout-dependent parts (this process leaves the layout)."""
+        self.drop_cuda_graph()
         for d in self.ddp:
             d.remove_hooks()
         self.chunks = self.ddp = self.optimizer = self.train_loader = None
@@ -226,6 +260,7 @@ class Trainer:
             config=self.pipeline_cfg,
             loss_fn=lm_loss,
             no_sync=self._no_sync,
+            cuda_graph=self.cuda_graph,
         )
         finalize_model_grads(self.ddp, self.groups)
         return losses

@@ -20,6 +20,12 @@ ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequenc
   "dp4|4|--gbs 32|mcore megadyn"
   "tp2_sp|2|--tp 2 --sp|megadyn"
   "dp4_no_param_overlap|4|--gbs 32 --no-overlap-param-gather|megadyn"
+  # megadyn variants, compared with the Megatron-Core run of the row before the colon
+  "tp1:graph|1|--tp 1 --cuda-graph|megadyn"
+  "tp2:graph|2|--tp 2 --cuda-graph|megadyn"
+  "tp2:sp|2|--tp 2 --sp|megadyn"
+  "tp2:sp_graph|2|--tp 2 --sp --cuda-graph|megadyn"
+  "dp4:graph|4|--gbs 32 --cuda-graph|megadyn"
 )
 : > "$OUT/results.jsonl"
 for round in $(seq 1 "$ROUNDS"); do

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-backend",
-    "--attention-dropout", "--cross-entropy-loss-fusion", "--no-cross-entropy-loss-fusion",
+    "--attention-dropout", "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
+    "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion",
     "--bf16", "--ckpt-keep-last", "--clip-grad", "--data-cache-path", "--data-path",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
@@ -50,6 +51,9 @@ BASE = (
     "--micro-batch-size 2 --global-batch-size 16 --train-iters 100 --lr 1e-3 "
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 100"
 )
+
+
+NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0"
 
 
 def parse(extra: str = "", world_size: int = 8, base: str = BASE):
@@ -179,6 +183,13 @@ def test_megatron_defaults_and_derived_values():
         ("--elastic-min-members 9", 8, "--elastic-min-members"),
         ("--distributed-timeout-minutes 0", 8, "--distributed-timeout-minutes"),
         ("--elastic-heartbeat-timeout -1", 8, "--elastic-heartbeat-timeout"),
+        ("--enable-cuda-graph", 8, "--enable-cuda-graph"),  # Megatron's default dropout 0.1
+        (f"--enable-cuda-graph {NO_DROPOUT} --pipeline-model-parallel-size 2", 8,
+         "--enable-cuda-graph"),
+        (f"--enable-cuda-graph {NO_DROPOUT} --recompute-granularity selective", 8,
+         "--enable-cuda-graph"),
+        (f"--enable-cuda-graph {NO_DROPOUT} --cuda-graph-warmup-steps 0", 8,
+         "--cuda-graph-warmup-steps"),
         ("--micro-batch-size two", 8, "--micro-batch-size"),
         ("--no-such-flag 3", 8, "--no-such-flag"),
     ],
@@ -239,3 +250,15 @@ def test_example_scripts_parse(script, env, world_size):
     cfg = parse_args(_script_argv(script, env), world_size=world_size)
     assert cfg.model.num_layers == 24 and cfg.model.padded_vocab_size(1) == 50304
     assert cfg.model.params_dtype == torch.bfloat16
+
+
+def test_cuda_graph_flags():
+    cfg = parse(f"--enable-cuda-graph {NO_DROPOUT} --tensor-model-parallel-size 2", 8)
+    assert cfg.training.enable_cuda_graph and cfg.training.cuda_graph_warmup_steps == 3
+    assert not parse().training.enable_cuda_graph
+    assert (
+        parse(
+            f"--enable-cuda-graph {NO_DROPOUT} --cuda-graph-warmup-steps 1"
+        ).training.cuda_graph_warmup_steps
+        == 1
+    )

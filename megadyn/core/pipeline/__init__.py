@@ -7,10 +7,12 @@
 p2p.py          batched send/receive between neighbouring stages, scatter/gather over tp
 steps.py        one micro batch's forward / backward on a chunk, and what is held in between
 schedules.py    no pipelining, 1F1B, `get_schedule`, `forward_backward`
+cuda_graph.py   pp = 1: a micro batch's forward and backward captured and replayed
 interleaved.py  interleaved 1F1B over virtual stages
 """
 
 from megadyn.core.pipeline.config import PipelineConfig
+from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
 from megadyn.core.pipeline.interleaved import (
     check_interleaved_microbatches,
     forward_backward_interleaved,
@@ -25,10 +27,12 @@ from megadyn.core.pipeline.schedules import (
 from megadyn.core.pipeline.steps import MicroBatchSteps, ScheduleStats
 
 __all__ = [
+    "MicroBatchGraph",
     "MicroBatchSteps",
     "P2PCommunicator",
     "PipelineConfig",
     "ScheduleStats",
+    "check_cuda_graph",
     "check_interleaved_microbatches",
     "deallocate",
     "forward_backward",

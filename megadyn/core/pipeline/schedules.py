@@ -26,6 +26,7 @@ import torch
 
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.core.pipeline.config import PipelineConfig
+from megadyn.core.pipeline.cuda_graph import MicroBatchGraph
 from megadyn.core.pipeline.interleaved import (
     check_interleaved_microbatches,
     forward_backward_interleaved,
@@ -41,6 +42,16 @@ def forward_backward_no_pipelining(steps: MicroBatchSteps) -> list[torch.Tensor]
         steps.forward(0, None)
         if not steps.forward_only:
             steps.backward(0, None)
+    return steps.finish()
+
+
+def forward_backward_graphed(steps: MicroBatchSteps, graph: MicroBatchGraph) -> list[torch.Tensor]:
+    """pp = 1 with a CUDA graph: each micro batch replays the captured forward and backward
+    (eagerly, as without the graph, while the graph warms up)."""
+    if steps.forward_only or not graph.begin_step():
+        return forward_backward_no_pipelining(steps)
+    for _ in range(steps.num_microbatches):
+        steps.replay(graph)
     return steps.finish()
 
 
@@ -90,6 +101,7 @@ def forward_backward(
     forward_only: bool = False,
     no_sync: Callable[[], ContextManager] | None = None,
     stats: ScheduleStats | None = None,
+    cuda_graph: MicroBatchGraph | None = None,
 ) -> list[torch.Tensor]:
     """Run one step's micro batches through this rank's chunks with the layout's schedule.
 
@@ -97,7 +109,8 @@ def forward_backward(
     `batches` yields `num_microbatches` dicts of [b, s] tensors (every rank draws them all);
     `loss_fn(per_token_loss, batch)` gives a micro batch's scalar loss on the last stage;
     `no_sync()` (covering all chunks) disables data-parallel gradient reduction; `stats`, if
-    given, receives measurements. Returns the micro-batch losses on the last stage, [] elsewhere.
+    given, receives measurements; `cuda_graph` (pp = 1 only) replays each training micro
+    batch's forward and backward from a captured graph (cuda_graph.py). Returns the micro-batch losses on the last stage, [] elsewhere.
     """
     layout = groups.layout
     if len(chunks) != layout.vpp:
@@ -118,7 +131,12 @@ def forward_backward(
         forward_only=forward_only,
         no_sync=no_sync,
     )
-    losses = schedule(steps)
+    if cuda_graph is not None:
+        if layout.pp > 1:
+            raise LayoutError("a CUDA graph covers one stage: it needs pipeline-parallel size 1")
+        losses = forward_backward_graphed(steps, cuda_graph)
+    else:
+        losses = schedule(steps)
     if stats is not None:
         stats.bytes_sent += steps.comm.bytes_sent
         stats.peak_live_microbatches = max(stats.peak_live_microbatches, steps.live.peak)
