@@ -261,6 +261,7 @@ class Trainer:
             loss_fn=lm_loss,
             no_sync=self._no_sync,
             cuda_graph=self.cuda_graph,
+            loss_scale=self.optimizer.loss_scale,
         )
         finalize_model_grads(self.ddp, self.groups)
         return losses

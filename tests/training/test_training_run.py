@@ -129,3 +129,16 @@ def test_wandb_offline_run_holds_losses(tmp_path, monkeypatch):
     assert len(runs) == 1
     logged = [row["lm loss"] for row in read_offline_history(runs[0]) if "lm loss" in row]
     close(logged, losses, rtol=1e-6)
+
+
+def test_the_loss_scale_reaches_the_backward_pass():
+    """The optimizer unscales gradients by the loss scale, so the loss back-propagated must have
+    been multiplied by it: with a constant power-of-two scale the run is the unscaled run, and
+    fp16 follows fp32. (Gradients unscaled without having been scaled would be 2^-16 of the true
+    ones; against Adam's epsilon of 1e-4 the loss would barely move.)"""
+    eps = ("--adam-eps", "1e-4")
+    fp32 = train(1, *eps)
+    close(train(1, *eps, "--loss-scale", "65536"), fp32)
+    fp16 = train(1, *eps, "--fp16", "--loss-scale", "4096")
+    close(fp16, fp32, rtol=2e-2)
+    assert fp32[-1] < fp32[0] - 0.05, fp32

@@ -2,7 +2,8 @@
 
     chunks = [DistributedDataParallel(c, groups.dp_group, ...) for c in model_chunks]
     optimizer = build_optimizer(chunks, chunks, groups, OptimizerConfig(bf16=True))
-    ... forward / backward (loss * optimizer.loss_scale for fp16), finalize_model_grads ...
+    forward_backward(..., loss_scale=optimizer.loss_scale)   # fp16: the scaled loss
+    finalize_model_grads(chunks, groups)
     applied, grad_norm, num_zeros = optimizer.step()
     optimizer.zero_grad()
 

@@ -102,13 +102,16 @@ def forward_backward(
     no_sync: Callable[[], ContextManager] | None = None,
     stats: ScheduleStats | None = None,
     cuda_graph: MicroBatchGraph | None = None,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Run one step's micro batches through this rank's chunks with the layout's schedule.
 
     `chunks` are this rank's model chunks, one per virtual stage (`build_gpt_chunks`);
     `batches` yields `num_microbatches` dicts of [b, s] tensors (every rank draws them all);
     `loss_fn(per_token_loss, batch)` gives a micro batch's scalar loss on the last stage;
-    `no_sync()` (covering all chunks) disables data-parallel gradient reduction; `stats`, if
+    `no_sync()` (covering all chunks) disables data-parallel gradient reduction; what is
+    back-propagated is the loss divided by `num_microbatches` and multiplied by `loss_scale`
+    (fp16's loss scale; the optimizer unscales the gradients); `stats`, if
     given, receives measurements; `cuda_graph` (pp = 1 only) replays each training micro
     batch's forward and backward from a captured graph (cuda_graph.py). Returns the micro-batch losses on the last stage, [] elsewhere.
     """
@@ -130,6 +133,7 @@ def forward_backward(
         loss_fn=loss_fn,
         forward_only=forward_only,
         no_sync=no_sync,
+        loss_scale=loss_scale,
     )
     if cuda_graph is not None:
         if layout.pp > 1:

@@ -111,12 +111,14 @@ class MicroBatchSteps:
         loss_fn: LossFn,
         forward_only: bool = False,
         no_sync: Callable[[], ContextManager] | None = None,
+        loss_scale: float = 1.0,
     ):
         if num_microbatches < 1:
             raise ValueError(f"number of micro batches must be >= 1, got {num_microbatches}")
         self.chunks, self.groups, self.config = chunks, groups, config
         self.num_microbatches, self.loss_fn = num_microbatches, loss_fn
         self.forward_only, self.no_sync = forward_only, no_sync
+        self.loss_scale = loss_scale  # fp16: the loss is multiplied by it before backward
         device = next(chunks[0].parameters()).device
         self.data = MicroBatches(batches, device)
         b, s = self.data.get(0)["tokens"].shape
@@ -148,13 +150,20 @@ class MicroBatchSteps:
             if last:
                 loss = self.loss_fn(output, batch)  # scalar: this micro batch's loss
                 self.losses.append(loss.detach())
-                output = loss / self.num_microbatches
+                output = self.scaled(loss)
         if c == len(self.chunks) - 1:
             self.data.release(index)
         if not self.forward_only:
             self.held[c].append((x, output))
             self.live.add(output)
         return None if last else output
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What is back-propagated for a micro batch's loss: its share of the mean over micro
+        batches, times the fp16 loss scale."""
+        if self.loss_scale == 1.0:
+            return loss / self.num_microbatches
+        return loss * (self.loss_scale / self.num_microbatches)
 
     def backward(self, c: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Back-propagate chunk `c`'s oldest held micro batch; return the gradient of its input
@@ -177,7 +186,7 @@ class MicroBatchSteps:
         self.forwards[0] += 1
         self.backwards[0] += 1
         batch = self.data.get(index)
-        scale = 1.0 / self.num_microbatches
+        scale = self.loss_scale / self.num_microbatches
         self.losses.append(graph.replay(self.chunks[0], batch, self.loss_fn, scale, self.no_sync))
         self.data.release(index)
 
