@@ -82,6 +82,8 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--cuda-graph",
+        "--enable-cuda-graph",
+        dest="cuda_graph",
         action="store_true",
         help="replay each micro batch's forward and backward from a CUDA graph (pp 1)",
     )

@@ -32,7 +32,10 @@ def with_layout(cfg: MegadynConfig, layout: Layout) -> MegadynConfig:
         num_layers_per_virtual_pipeline_stage=per_virtual,
         sequence_parallel=layout.sequence_parallel,
     )
-    return dataclasses.replace(cfg, parallel=parallel)
+    training = cfg.training
+    if layout.pp > 1 and training.enable_cuda_graph:  # a graph covers a single stage
+        training = dataclasses.replace(training, enable_cuda_graph=False)
+    return dataclasses.replace(cfg, parallel=parallel, training=training)
 
 
 def config_for_world(
@@ -41,6 +44,8 @@ def config_for_world(
     """The command line's config for `world` processes, its layout replanned when a restart
     came back with a world it does not fit; raises ConfigError naming the flag otherwise."""
     cfg = parse_config(argv, world)
+    if cfg.training.enable_cuda_graph and device_type != "cuda":
+        raise ConfigError(f"--enable-cuda-graph needs CUDA devices (this run is on {device_type})")
     try:
         validate(cfg, world)
         return cfg
@@ -60,7 +65,12 @@ def config_for_world(
                 f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} does not fit ({err}); the layout "
                 f"planner chose tp={layout.tp} pp={layout.pp} dp={layout.dp} vpp={layout.vpp} "
                 f"sequence_parallel={layout.sequence_parallel} (micro batch size and global "
-                f"batch size kept)",
+                f"batch size kept"
+                + (
+                    "; CUDA graph off: pp > 1)"
+                    if cfg.training.enable_cuda_graph and not replanned.training.enable_cuda_graph
+                    else ")"
+                ),
                 flush=True,
             )
         return replanned

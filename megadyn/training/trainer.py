@@ -156,19 +156,17 @@ class Trainer:
         t, m = self.cfg.training, self.model_cfg
         if not t.enable_cuda_graph:
             return None
-        try:
-            check_cuda_graph(
-                pp=layout.pp,
-                vpp=layout.vpp,
-                dropout=max(m.hidden_dropout, m.attention_dropout),
-                recompute=t.recompute.granularity,
-                device=self.device,
-            )
-        except ValueError as err:
-            if layout.pp > 1 and self.state.iteration > 0:  # a layout the planner chose
-                self.print(f" CUDA graph off for layout {layout}: {err}")
-                return None
-            raise
+        if layout.pp > 1:  # only a layout the elastic planner chose (validate refuses others)
+            if self.logs:
+                self.print(f" CUDA graph off under {layout}: a graph covers a single stage")
+            return None
+        check_cuda_graph(
+            pp=layout.pp,
+            vpp=layout.vpp,
+            dropout=max(m.hidden_dropout, m.attention_dropout),
+            recompute=t.recompute.granularity,
+            device=self.device,
+        )
         return MicroBatchGraph(t.cuda_graph_warmup_steps)
 
     # --- live reshard (megadyn/elastic) ---------------------------------------------------------

@@ -262,3 +262,15 @@ def test_cuda_graph_flags():
         ).training.cuda_graph_warmup_steps
         == 1
     )
+
+
+def test_cuda_graph_needs_cuda_and_a_replanned_pipeline_turns_it_off():
+    from megadyn.core.layout import Layout
+    from megadyn.training.replan import config_for_world, with_layout
+
+    argv = shlex.split(f"{BASE} --enable-cuda-graph {NO_DROPOUT}")
+    with pytest.raises(ConfigError, match="^--enable-cuda-graph needs CUDA devices"):
+        config_for_world(argv, 8, restarted=False, device_type="cpu")
+    cfg = config_for_world(argv, 8, restarted=False, device_type="cuda")
+    assert with_layout(cfg, Layout(tp=2, dp=4)).training.enable_cuda_graph
+    assert not with_layout(cfg, Layout(tp=2, pp=2, dp=2)).training.enable_cuda_graph
