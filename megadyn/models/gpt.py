@@ -236,3 +236,9 @@ def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.
     """Mean loss over the tokens the mask keeps: the loss of one micro batch."""
     mask = loss_mask.to(per_token_loss.dtype)
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def lm_loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
+    """A micro batch's language-model loss: the mean over its `loss_mask` tokens (the loss
+    function of training and evaluation)."""
+    return masked_mean(per_token_loss, batch["loss_mask"])

@@ -34,12 +34,13 @@ from megadyn.core.pipeline import (
 )
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.data.sampler import micro_batch_indices
-from megadyn.models import build_gpt_chunks, masked_mean
+from megadyn.models import build_gpt_chunks, lm_loss
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
 from megadyn.training.checkpoint_items import rng_items, set_rng_items
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
+from megadyn.training.evaluation import evaluate
 from megadyn.training.metrics import (
     IterationStats,
     format_iteration_line,
@@ -51,10 +52,6 @@ from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.snapshot_keeper import SnapshotKeeper, resume
 from megadyn.training.wandb_logger import create_wandb_logger
-
-
-def lm_loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
-    return masked_mean(per_token_loss, batch["loss_mask"])
 
 
 @dataclass
@@ -379,45 +376,9 @@ class Trainer:
         self.wandb.log(wandb_metrics(stats), step=s.iteration)
         return values
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        t = self.cfg.training
-        rounds_done = self.state.iteration // t.eval_interval - 1
-        gbs = self.microbatches.global_batch_size(self.state.consumed_samples)
-        loader = build_loader(
-            self.data.valid,
-            self.cfg,
-            self.groups.dp_rank,
-            self.groups.dp_size,
-            max(rounds_done, 0) * t.eval_iters * gbs,
-        )
-        n = self.microbatches.num_micro_batches(self.state.consumed_samples, self.groups.dp_size)
-        for c in self.chunks:
-            c.eval()
-        losses = []
-        for _ in range(t.eval_iters):
-            losses += forward_backward(
-                self.ddp,
-                self.groups,
-                loader,
-                n,
-                config=self.pipeline_cfg,
-                loss_fn=lm_loss,
-                forward_only=True,
-            )
-        for c in self.chunks:
-            c.train()
-        loss = self._mean_loss(losses)
-        if loss is not None and self.logs:
-            value = loss.item()
-            self.print(
-                f" validation loss at iteration {self.state.iteration} | lm loss value: {value:.6E} | "
-                f"lm loss PPL: {torch.exp(loss).item():.6E} |",
-                flush=True,
-            )
-            self.wandb.log({"lm loss validation": value}, step=self.state.iteration)
-            return value
-        return None
+        """Validation loss over --eval-iters (megadyn/training/evaluation.py)."""
+        return evaluate(self)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def meta(self) -> dict:
