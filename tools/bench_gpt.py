@@ -89,6 +89,11 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--cuda-graph-warmup-steps", type=int, default=2)
     p.add_argument(
+        "--tp-comm-overlap",
+        action="store_true",
+        help="under --sp: GEMMs split by sequence chunk beside the all-gathers / reduce-scatter",
+    )
+    p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
     )
     return p.parse_args()
@@ -135,6 +140,7 @@ def main() -> None:
         gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
         fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
         attention_backend=a.attention_backend,
+        tp_comm_overlap=a.tp_comm_overlap,
     )
     recompute = dict(
         none=RecomputeConfig(),
@@ -233,6 +239,7 @@ def main() -> None:
         dp=layout.dp,
         sp=a.sp,
         cuda_graph=a.cuda_graph,
+        tp_comm_overlap=a.tp_comm_overlap,
         attn="sdpa",
         attention_backend=a.attention_backend,
         recompute=a.recompute,

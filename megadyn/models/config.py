@@ -60,6 +60,11 @@ class GPTConfig:
     gradient_accumulation_fusion: bool = True
     """Weight-gradient GEMMs of bf16/fp16 layers accumulate into the fp32 DDP `main_grad`
     directly (no bf16 gradient, no separate add); fp32 models are unaffected."""
+    tp_comm_overlap: bool = False
+    """Under sequence parallelism, split the GEMMs next to the all-gathers and the row-parallel
+    reduce-scatter by sequence chunk, so each collective runs beside the GEMM of a chunk that
+    does not need it (--tp-comm-overlap; meant for CUDA-graph steps, where the extra kernel
+    launches cost no host time)."""
     fused_loss: bool | None = None
     """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
     when the logits are on a GPU (the math is the same; eager on the CPU)."""

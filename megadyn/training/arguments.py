@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     m("--make-vocab-size-divisible-by", type=int)
     m("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"])
     m("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", action="store_false")
+    m("--tp-comm-overlap", action="store_true")
     m("--cross-entropy-loss-fusion", "fused_loss", action="store_const", const=True)
     m("--no-cross-entropy-loss-fusion", "fused_loss", action="store_const", const=False)
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
@@ -390,6 +391,11 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
         raise ConfigError(
             f"--recompute-num-layers ({rc.num_layers}) exceeds the layers of one pipeline "
             f"chunk ({chunk_layers})"
+        )
+    if model.tp_comm_overlap and not par.sequence_parallel:
+        raise ConfigError(
+            "--tp-comm-overlap overlaps sequence parallelism's collectives: it "
+            "needs --sequence-parallel"
         )
     if train.enable_cuda_graph:
         try:

@@ -40,11 +40,19 @@ class RecordOnly:
         self.fn = None
 
 
-def train(layout, world, steps, m, graph, device, dtype, backend=None):
+def train(layout, world, steps, m, graph, device, dtype, backend=None, overlap=False):
     """`steps` steps of `m` micro batches (SGD on main_grad); per-step losses and the final
-    main_grads, with or without `graph`."""
+    main_grads, with or without `graph` (and --tp-comm-overlap's split GEMMs)."""
     seq = 16
-    cfg = make_cfg("gpt2", 2, seq, params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = make_cfg(
+        "gpt2",
+        2,
+        seq,
+        params_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tp_comm_overlap=overlap,
+    )
     groups = ParallelGroups.build(layout, range(world), backend=backend)
     chunks = build_gpt_chunks(cfg, groups, seed=SEED, device=device)
     ddp = [DistributedDataParallel(c, groups.dp_group, overlap_grad_reduce=True) for c in chunks]
@@ -85,6 +93,15 @@ def cpu_body(rank, world):
         assert torch.equal(a, b), f"step {step} losses {a} != {b}"
     for name, grad in eager[1].items():
         assert torch.equal(grad, graphed[1][name]), name
+    # --tp-comm-overlap (GEMMs split by sequence chunk beside the collectives) under a graph
+    sp = (Layout(tp=2, sequence_parallel=True), world, 3, 2)
+    plain = train(*sp, None, "cpu", torch.float32)
+    graph = MicroBatchGraph(warmup_steps=1, capture=RecordOnly)
+    overlapped = train(*sp, graph, "cpu", torch.float32, overlap=True)
+    for a, b in zip(overlapped[0], plain[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(overlapped[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     return True
 
 
@@ -141,15 +158,16 @@ def test_what_a_graph_cannot_capture_is_refused():
 def gpu_body(rank, world):
     torch.cuda.set_device(rank)
     worst = {}
-    for layout in (Layout(tp=2), Layout(tp=2, sequence_parallel=True)):
+    sp = Layout(tp=2, sequence_parallel=True)
+    for layout, overlap in ((Layout(tp=2), False), (sp, False), (sp, True)):
         args = (layout, world, 5, 4)
-        eager = train(*args, None, "cuda", torch.bfloat16, backend="nccl")
+        eager = train(*args, None, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
         graph = MicroBatchGraph(warmup_steps=2)
-        graphed = train(*args, graph, "cuda", torch.bfloat16, backend="nccl")
+        graphed = train(*args, graph, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
         assert graph.captures == 1
         loss = max(rel_error(a, b) for a, b in zip(graphed[0], eager[0]))
         grad = max(rel_error(graphed[1][n], g) for n, g in eager[1].items())
-        worst[str(layout)] = (loss, grad)
+        worst[f"{layout}{' --tp-comm-overlap' if overlap else ''}"] = (loss, grad)
         assert loss <= 1e-3 and grad <= 1e-2, (layout, loss, grad)
     return worst
 

@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers equal `F.linear` on the global weights, with their
 communication overlapped (the column-parallel layer's input gradient all-reduced, or
 reduce-scattered under sequence parallelism, beside the weight-gradient GEMM); with and
-without gradient accumulation fusion into `main_grad`, a tied weight, and no input gradient."""
+without gradient accumulation fusion into `main_grad`, a tied weight, and no input gradient;
+under sequence parallelism also with --tp-comm-overlap's per-chunk GEMMs (sp_overlap.py)."""
 
 import itertools
 
@@ -63,9 +64,9 @@ def local_pieces(ref: dict, cls, sp: bool, tp: int, rank: int) -> dict:
     return out
 
 
-def run_layer(cls, group, expected, *, sp, fuse, input_grad=True, tied=False):
+def run_layer(cls, group, expected, *, sp, fuse, input_grad=True, tied=False, overlap=False):
     """Forward and backward of one layer holding this rank's weights; its output and grads."""
-    kw = dict(sequence_parallel=sp, grad_accumulation_fusion=fuse)
+    kw = dict(sequence_parallel=sp, grad_accumulation_fusion=fuse, comm_overlap=overlap)
     if tied:
         kw["skip_weight"] = True
     layer = cls(IN, OUT, group, **kw)
@@ -105,6 +106,17 @@ def body(rank, world, tp):
         runs["no input grad"] = run_layer(
             cls, groups.tp_group, expected, sp=sp, fuse=True, input_grad=False
         )
+        if sp:  # --tp-comm-overlap: GEMMs split by sequence chunk beside the collectives
+            for fuse, input_grad in ((False, True), (True, True), (True, False)):
+                runs[f"overlap fuse={fuse} input grad={input_grad}"] = run_layer(
+                    cls,
+                    groups.tp_group,
+                    expected,
+                    sp=sp,
+                    fuse=fuse,
+                    input_grad=input_grad,
+                    overlap=True,
+                )
         plain = runs[False]
         for key, got in runs.items():
             what = f"{cls.__name__} tp={tp} sp={sp} {key}"

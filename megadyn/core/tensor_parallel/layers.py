@@ -14,7 +14,9 @@ layer's own weight gradient is added into its fp32 DDP `main_grad` inside the GE
 models and modules without DDP take plain `F.linear`.
 
 Communication overlap: a column-parallel layer all-reduces its input gradient (reduce-scatters
-it under sequence parallelism) asynchronously while its weight gradient is computed.
+it under sequence parallelism) asynchronously while its weight gradient is computed. With
+`comm_overlap` (sequence parallelism, --tp-comm-overlap) the all-gathers and the row-parallel
+reduce-scatter also run beside per-chunk GEMMs (sp_overlap.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from megadyn.core.tensor_parallel.mappings import (
     reduce_scatter_sequence,
     reduce_scatter_to_sequence,
 )
+from megadyn.core.tensor_parallel.sp_overlap import all_gather_linear, row_parallel_overlap
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
@@ -43,17 +46,24 @@ class _LinearAsyncReduce(torch.autograd.Function):
     first) reduce-scattered, while the weight-gradient GEMM runs (which with `fuse` adds into
     `W.main_grad`).
 
-    No GEMM is split to run beside a collective: computing and all-reducing two halves of the
-    sequence was 1.5x slower per tp2 step on H200, and so were sequence-parallel ring exchanges
-    beside per-chunk GEMMs (BENCHMARKS.md)."""
+    By default no GEMM is split to run beside a collective: in eager steps, computing and
+    all-reducing two halves of the sequence was 1.5x slower per tp2 step on H200, and so were
+    sequence-parallel ring exchanges beside per-chunk GEMMs (BENCHMARKS.md), the extra launches
+    costing more than the overlap gave. `overlap` (--tp-comm-overlap, for CUDA-graph steps,
+    where launches cost nothing) splits the gathered GEMM by sequence chunk (sp_overlap.py)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input):
-        if gather_input:
+    def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input, overlap):
+        y = None
+        if gather_input and overlap:  # the own chunk's GEMM beside the all-gather
+            x, y = all_gather_linear(x, weight, bias, input_group)
+        elif gather_input:
             x = gather_sequence(x, input_group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
         ctx.gather_input = gather_input
+        if y is not None:
+            return y
         if group_size(output_group) == 1:
             return F.linear(x, weight, bias)
         if bias is not None:
@@ -79,18 +89,28 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def _linear(x, weight, bias, fuse: bool, input_group=None, output_group=None, gather_input=False):
+def _linear(
+    x,
+    weight,
+    bias,
+    fuse: bool,
+    input_group=None,
+    output_group=None,
+    gather_input=False,
+    overlap=False,
+):
     """F.linear with the input gradient all-reduced (or, with `gather_input`, the input
     all-gathered and its gradient reduce-scattered) over `input_group`, overlapped with the
     weight-gradient GEMM, or the output all-reduced over `output_group`; the weight gradient
-    goes into `main_grad` when `fuse_wgrad` allows."""
+    goes into `main_grad` when `fuse_wgrad` allows. `overlap` (sequence parallelism,
+    --tp-comm-overlap) runs the own sequence chunk's GEMM beside the all-gather."""
     fuse = fuse_wgrad(weight, fuse)
     if fuse or group_size(input_group) > 1 or group_size(output_group) > 1:
         return _LinearAsyncReduce.apply(
-            x, weight, bias, input_group, output_group, fuse, gather_input
+            x, weight, bias, input_group, output_group, fuse, gather_input, overlap
         )
     return F.linear(x, weight, bias)
 
@@ -131,6 +151,7 @@ class ColumnParallelLinear(nn.Module):
         local_output_size: int | None = None,
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
+        comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -139,6 +160,7 @@ class ColumnParallelLinear(nn.Module):
         self.grad_accumulation_fusion = grad_accumulation_fusion
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel
         tp = group_size(tp_group)
         local = local_output_size or divide(output_size, tp, "output size")
         self.weight = (
@@ -152,7 +174,15 @@ class ColumnParallelLinear(nn.Module):
         fuse = own_weight and self.grad_accumulation_fusion
         # [s, b, out/tp]; the input gradient is all-reduced (reduce-scattered under sequence
         # parallelism, whose input [s/tp, b, in] is all-gathered) during the wgrad GEMM
-        y = _linear(x, weight, self.bias, fuse, self.tp_group, gather_input=self.sequence_parallel)
+        y = _linear(
+            x,
+            weight,
+            self.bias,
+            fuse,
+            self.tp_group,
+            gather_input=self.sequence_parallel,
+            overlap=self.comm_overlap,
+        )
         if self.gather_output:
             y = gather_from_region(y, self.tp_group)  # [s, b, out]
         return y
@@ -174,6 +204,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
+        comm_overlap: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -181,6 +212,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.grad_accumulation_fusion = grad_accumulation_fusion
+        self.comm_overlap = comm_overlap and sequence_parallel
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
         self.bias = (
@@ -191,7 +223,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fuse = self.grad_accumulation_fusion
-        if self.sequence_parallel:
+        if self.comm_overlap and group_size(self.tp_group) > 1:
+            y = row_parallel_overlap(x, self.weight, self.tp_group, fuse_wgrad(self.weight, fuse))
+        elif self.sequence_parallel:
             y = _linear(x, self.weight, None, fuse)  # partial sums [s, b, out]
             y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]
         else:

@@ -1,0 +1,114 @@
+"""Sequence-parallel GEMMs that run beside their all-gathers (--tp-comm-overlap, opt-in).
+
+Under sequence parallelism a column-parallel layer all-gathers its input [s/tp, b, in] along the
+sequence before its GEMM, and a row-parallel layer reduce-scatters its output (and all-gathers
+its output gradient in the backward pass). Here the GEMM is split by sequence chunk so that the
+transfer runs beside the chunk that does not need it:
+
+    all_gather_linear       the own chunk's rows are multiplied while the all-gather runs,
+                            then the other chunks' rows
+    linear_reduce_scatter   tp = 2: the peer's chunk is multiplied first and its partial sum
+                            sent (an all-gather of one chunk) while the own chunk is
+                            multiplied, then the two are added; tp > 2: GEMM, reduce-scatter
+    _RowSequenceOverlap     the row-parallel layer: linear_reduce_scatter forward; backward,
+                            the input gradient of the own chunk while the output gradient is
+                            all-gathered, then the rest and the weight gradient
+
+Only collectives (no point-to-point rings) are used, so a CUDA graph captures them (cuda_graph.py).
+Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
+Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megadyn.core.tensor_parallel.mappings import group_rank, group_size, reduce_scatter_sequence
+from megadyn.core.tensor_parallel.wgrad import weight_grad
+
+
+def _linear_rows(src2d, weight, bias, out2d) -> None:
+    """out2d = src2d W^T (+ bias), written in place (rows of a larger output)."""
+    if src2d.shape[0] == 0:
+        return
+    if bias is None:
+        torch.mm(src2d, weight.t(), out=out2d)
+    else:
+        torch.addmm(bias, src2d, weight.t(), out=out2d)
+
+
+def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x gathered along the sequence [s, b, in], F.linear of it [s, b, out]) from this rank's
+    x [s/tp, b, in]; the own chunk's GEMM runs while the all-gather is in flight."""
+    tp, rank = group_size(group), group_rank(group)
+    x = x.contiguous()
+    full = x.new_empty((tp * x.shape[0],) + x.shape[1:])
+    work = dist.all_gather_into_tensor(full, x, group=group, async_op=True)
+    y = x.new_empty(full.shape[:-1] + (weight.shape[0],))
+    full2d, y2d = full.view(-1, full.shape[-1]), y.view(-1, y.shape[-1])
+    n = x.numel() // x.shape[-1]  # token rows per chunk
+    lo, hi = rank * n, (rank + 1) * n
+    _linear_rows(x.view(n, -1), weight, bias, y2d[lo:hi])
+    work.wait()
+    _linear_rows(full2d[:lo], weight, bias, y2d[:lo])
+    _linear_rows(full2d[hi:], weight, bias, y2d[hi:])
+    return full, y
+
+
+def linear_reduce_scatter(x, weight, group) -> torch.Tensor:
+    """F.linear(x, weight) [s, b, out] (a partial sum over tp) reduce-scattered along the
+    sequence to [s/tp, b, out]; at tp = 2 the GEMMs run beside the exchange."""
+    tp, rank = group_size(group), group_rank(group)
+    if tp != 2:
+        return reduce_scatter_sequence(F.linear(x, weight), group)
+    x2d = x.reshape(-1, x.shape[-1])
+    n, peer = x2d.shape[0] // 2, 1 - rank
+    part = torch.mm(x2d[peer * n : (peer + 1) * n], weight.t())  # the peer's rows: its partial
+    received = part.new_empty((2 * n, part.shape[1]))  # [rank 0's part; rank 1's part]
+    work = dist.all_gather_into_tensor(received, part, group=group, async_op=True)
+    own = torch.mm(x2d[rank * n : (rank + 1) * n], weight.t())
+    work.wait()
+    own += received[peer * n : (peer + 1) * n]  # the peer's partial sum of this rank's rows
+    return own.view((x.shape[0] // 2,) + x.shape[1:-1] + (weight.shape[0],))
+
+
+class _RowSequenceOverlap(torch.autograd.Function):
+    """Row-parallel y [s/tp, b, out] = reduce-scatter(x W^T) from x [s, b, in/tp]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, fuse):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.fuse = group, fuse
+        return linear_reduce_scatter(x, weight, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        tp, rank = group_size(group), group_rank(group)
+        g = g.contiguous()  # [s/tp, b, out]
+        g_full = g.new_empty((tp * g.shape[0],) + g.shape[1:])  # [s, b, out]
+        work = dist.all_gather_into_tensor(g_full, g, group=group, async_op=True)
+        grad_x = None
+        n = g.numel() // g.shape[-1]
+        lo, hi = rank * n, (rank + 1) * n
+        if ctx.needs_input_grad[0]:
+            grad_x = x.new_empty(x.shape)  # [s, b, in/tp]
+            gx2d = grad_x.view(-1, grad_x.shape[-1])
+            torch.mm(g.view(n, -1), weight, out=gx2d[lo:hi])  # own rows, beside the gather
+        work.wait()
+        gf2d = g_full.view(-1, g_full.shape[-1])
+        if grad_x is not None:
+            _linear_rows(gf2d[:lo], weight.t(), None, gx2d[:lo])  # g W: weight^T is "W^T"
+            _linear_rows(gf2d[hi:], weight.t(), None, gx2d[hi:])
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_grad(weight, gf2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
+        return grad_x, grad_w, None, None
+
+
+def row_parallel_overlap(x, weight, group, fuse: bool) -> torch.Tensor:
+    """The row-parallel layer's GEMM and reduce-scatter under sequence parallelism, overlapped."""
+    return _RowSequenceOverlap.apply(x, weight, group, fuse)
