@@ -18,9 +18,11 @@ graph launch, and each later micro batch only copies its tokens into the graph's
 - It reads the parameters, the `main_grad` buffers and the batch shapes it was captured with;
   when any of them change (a rebuilt model after a layout change, another micro batch size)
   it is captured again, never replayed on stale addresses.
+- A graph holds the NCCL communicators it recorded: `reset()` it before destroying their
+  process groups (a process that destroyed them first did not exit, BENCHMARKS.md).
 - Not capturable, refused by `check_cuda_graph`: pipeline parallelism (stages exchange
-  activations between micro batches), dropout and recomputation (both restore RNG states on
-  the host), and any device other than CUDA.
+  activations between micro batches), dropout and recomputation (the tensor-parallel RNG
+  tracker swaps generator states from the host), and any device other than CUDA.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def check_cuda_graph(*, pp: int, vpp: int, dropout: float, recompute: str | None
     if dropout > 0.0:
         raise ValueError(
             "--enable-cuda-graph needs --hidden-dropout 0 and --attention-dropout 0 (dropout "
-            "restores RNG states on the host, which a graph cannot)"
+            "swaps RNG states from the host, which a graph cannot replay)"
         )
     if recompute is not None:
         raise ValueError("--enable-cuda-graph does not combine with --recompute-granularity")
