@@ -60,17 +60,13 @@ def config_for_world(
         replanned = with_layout(cfg, layout)
         validate(replanned, world)  # an error of something else than the layout stays
         if print_fn is not None:
+            graph_off = cfg.training.enable_cuda_graph and not replanned.training.enable_cuda_graph
             print_fn(
                 f" recovery: the restart came back with {world} processes, which the layout "
                 f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} does not fit ({err}); the layout "
                 f"planner chose tp={layout.tp} pp={layout.pp} dp={layout.dp} vpp={layout.vpp} "
                 f"sequence_parallel={layout.sequence_parallel} (micro batch size and global "
-                f"batch size kept"
-                + (
-                    "; CUDA graph off: pp > 1)"
-                    if cfg.training.enable_cuda_graph and not replanned.training.enable_cuda_graph
-                    else ")"
-                ),
+                f"batch size kept{'; CUDA graph off: pp > 1' if graph_off else ''})",
                 flush=True,
             )
         return replanned

@@ -217,7 +217,7 @@ class Trainer:
     def drop_cuda_graph(self) -> None:
         """Free the captured graph; call before the groups' communicators are destroyed (NCCL
         waits for the graphs that use a communicator). The next step captures again."""
-        if getattr(self, "cuda_graph", None) is not None:
+        if self.cuda_graph is not None:
             self.cuda_graph.reset()
 
     def release(self) -> None:

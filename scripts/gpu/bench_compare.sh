@@ -23,7 +23,6 @@ ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequenc
   # megadyn variants, compared with the Megatron-Core run of the row before the colon
   "tp1:graph|1|--tp 1 --cuda-graph|megadyn"
   "tp2:graph|2|--tp 2 --cuda-graph|megadyn"
-  "tp2:sp|2|--tp 2 --sp|megadyn"
   "tp2:sp_graph|2|--tp 2 --sp --cuda-graph|megadyn"
   "tp2:sp_overlap_graph|2|--tp 2 --sp --tp-comm-overlap --cuda-graph|megadyn"
   "dp4:graph|4|--gbs 32 --cuda-graph|megadyn"

@@ -127,16 +127,20 @@ def test_a_replaced_parameter_captures_again():
     def loss_of(out, batch):
         return out
 
+    def replay(batch):  # one step of one micro batch
+        graph.prepare(model, batch, loss_of, None)
+        return graph.replay(batch, 1.0)
+
     model = Chunk()
     graph = MicroBatchGraph(warmup_steps=1, capture=RecordOnly)
-    first = graph.replay(model, batch, loss_of, 1.0, None)
+    first = replay(batch)
     ones = dict(tokens=torch.ones(2, 4), labels=batch["labels"])
-    assert graph.replay(model, ones, loss_of, 1.0, None).item() == pytest.approx(first.item() + 8)
+    assert replay(ones).item() == pytest.approx(first.item() + 8)
     assert graph.captures == 1
     chunk.weight = torch.nn.Parameter(torch.ones(1, 4))  # a rebuilt model: new storage
-    assert graph.replay(model, batch, loss_of, 1.0, None).item() == 4.0
+    assert replay(batch).item() == 4.0
     assert graph.captures == 2
-    graph.replay(model, dict(tokens=torch.ones(3, 4), labels=torch.ones(3, 4)), loss_of, 1.0, None)
+    replay(dict(tokens=torch.ones(3, 4), labels=torch.ones(3, 4)))
     assert graph.captures == 3  # another micro batch shape
 
 

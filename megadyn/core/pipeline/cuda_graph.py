@@ -52,28 +52,22 @@ def check_cuda_graph(*, pp: int, vpp: int, dropout: float, recompute: str | None
         raise ValueError("--enable-cuda-graph does not combine with --recompute-granularity")
 
 
-class _CudaCapture:
-    """torch.cuda.CUDAGraph of `fn` (recorded, not run)."""
-
-    def __init__(self, fn: Callable[[], None]):
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            fn()
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-    def reset(self) -> None:
-        self.graph.reset()
+def _cuda_capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn` (recorded, not run); it has `replay()` and `reset()`."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 class MicroBatchGraph:
     """The captured forward and backward of one micro batch of a single-stage model chunk.
 
+    Each step: `prepare` once (captures when needed), then `replay` per micro batch.
     `capture` (a test seam) turns a function into an object with `replay()` and `reset()`;
     by default a CUDA graph."""
 
-    def __init__(self, warmup_steps: int = 3, capture: Callable = _CudaCapture):
+    def __init__(self, warmup_steps: int = 3, capture: Callable = _cuda_capture):
         if warmup_steps < 1:
             raise ValueError(f"--cuda-graph-warmup-steps must be >= 1, got {warmup_steps}")
         self.warmup_steps, self._capture = warmup_steps, capture
@@ -91,22 +85,27 @@ class MicroBatchGraph:
         return self.calls > self.warmup_steps
 
     def reset(self) -> None:
-        """Free the graph and its memory; the next replay captures again."""
+        """Free the graph and its memory; the next `prepare` captures again."""
         if self._graph is not None:
             self._graph.reset()
         self._graph, self._key, self._inputs, self._loss, self._scale = None, None, {}, None, None
 
-    def replay(self, chunk, batch: dict, loss_fn, scale: float, no_sync) -> torch.Tensor:
-        """Forward and backward of `batch` through `chunk` with the loss scaled by `scale`
-        (gradients accumulate into `main_grad`); returns the micro batch's loss."""
+    def prepare(self, chunk, batch: dict, loss_fn, no_sync) -> None:
+        """Once per step, before its replays: wait for the parameters (a replay runs no forward
+        pre-hooks) and capture `chunk`'s forward and backward of batches shaped like `batch`
+        unless the graph already holds them for the current parameters and buffers."""
         wait = getattr(chunk, "finish_param_gather", None)
         if wait is not None:
-            wait()  # a replay runs no forward pre-hooks: updated params must be there first
+            wait()
         key = self._signature(chunk, batch, loss_fn)
         if key != self._key:
             self.reset()
             self._record(chunk, batch, loss_fn, no_sync)
             self._key = key
+
+    def replay(self, batch: dict, scale: float) -> torch.Tensor:
+        """Forward and backward of `batch` with the loss scaled by `scale` (gradients
+        accumulate into `main_grad`); returns the micro batch's loss."""
         for name, static in self._inputs.items():
             static.copy_(batch[name], non_blocking=True)
         self._scale.fill_(scale)

@@ -50,6 +50,7 @@ def forward_backward_graphed(steps: MicroBatchSteps, graph: MicroBatchGraph) -> 
     (eagerly, as without the graph, while the graph warms up)."""
     if steps.forward_only or not graph.begin_step():
         return forward_backward_no_pipelining(steps)
+    graph.prepare(steps.chunks[0], steps.data.get(0), steps.loss_fn, steps.no_sync)
     for _ in range(steps.num_microbatches):
         steps.replay(graph)
     return steps.finish()
@@ -111,9 +112,10 @@ def forward_backward(
     `loss_fn(per_token_loss, batch)` gives a micro batch's scalar loss on the last stage;
     `no_sync()` (covering all chunks) disables data-parallel gradient reduction; what is
     back-propagated is the loss divided by `num_microbatches` and multiplied by `loss_scale`
-    (fp16's loss scale; the optimizer unscales the gradients); `stats`, if
-    given, receives measurements; `cuda_graph` (pp = 1 only) replays each training micro
-    batch's forward and backward from a captured graph (cuda_graph.py). Returns the micro-batch losses on the last stage, [] elsewhere.
+    (fp16's loss scale; the optimizer unscales the gradients); `stats`, if given, receives
+    measurements; `cuda_graph` (pp = 1 only) replays each training micro batch's forward and
+    backward from a captured graph (cuda_graph.py). Returns the micro-batch losses on the last
+    stage, [] elsewhere.
     """
     layout = groups.layout
     if len(chunks) != layout.vpp:

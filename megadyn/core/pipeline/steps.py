@@ -180,14 +180,12 @@ class MicroBatchSteps:
 
     def replay(self, graph) -> None:
         """Forward and backward of the only chunk's next micro batch through `graph` (a
-        MicroBatchGraph, pp = 1): its loss is recorded, its gradients accumulated."""
-        assert len(self.chunks) == 1 and self.is_last_stage(0), "a graph covers a single stage"
+        prepared MicroBatchGraph, pp = 1): its loss is recorded, its gradients accumulated."""
         index = self.forwards[0]
         self.forwards[0] += 1
         self.backwards[0] += 1
-        batch = self.data.get(index)
         scale = self.loss_scale / self.num_microbatches
-        self.losses.append(graph.replay(self.chunks[0], batch, self.loss_fn, scale, self.no_sync))
+        self.losses.append(graph.replay(self.data.get(index), scale))
         self.data.release(index)
 
     def finish(self) -> list[torch.Tensor]:

@@ -29,14 +29,14 @@ from megadyn.core.tensor_parallel.mappings import group_rank, group_size, reduce
 from megadyn.core.tensor_parallel.wgrad import weight_grad
 
 
-def _linear_rows(src2d, weight, bias, out2d) -> None:
-    """out2d = src2d W^T (+ bias), written in place (rows of a larger output)."""
-    if src2d.shape[0] == 0:
+def _mm_rows(a, b, out, bias=None) -> None:
+    """out = a b (+ bias), written in place into rows of a larger output; no rows, no GEMM."""
+    if a.shape[0] == 0:
         return
     if bias is None:
-        torch.mm(src2d, weight.t(), out=out2d)
+        torch.mm(a, b, out=out)
     else:
-        torch.addmm(bias, src2d, weight.t(), out=out2d)
+        torch.addmm(bias, a, b, out=out)
 
 
 def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +50,10 @@ def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tenso
     full2d, y2d = full.view(-1, full.shape[-1]), y.view(-1, y.shape[-1])
     n = x.numel() // x.shape[-1]  # token rows per chunk
     lo, hi = rank * n, (rank + 1) * n
-    _linear_rows(x.view(n, -1), weight, bias, y2d[lo:hi])
+    _mm_rows(x.view(n, -1), weight.t(), y2d[lo:hi], bias)
     work.wait()
-    _linear_rows(full2d[:lo], weight, bias, y2d[:lo])
-    _linear_rows(full2d[hi:], weight, bias, y2d[hi:])
+    _mm_rows(full2d[:lo], weight.t(), y2d[:lo], bias)
+    _mm_rows(full2d[hi:], weight.t(), y2d[hi:], bias)
     return full, y
 
 
@@ -97,12 +97,12 @@ class _RowSequenceOverlap(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = x.new_empty(x.shape)  # [s, b, in/tp]
             gx2d = grad_x.view(-1, grad_x.shape[-1])
-            torch.mm(g.view(n, -1), weight, out=gx2d[lo:hi])  # own rows, beside the gather
+            _mm_rows(g.view(n, -1), weight, gx2d[lo:hi])  # own rows, beside the gather
         work.wait()
         gf2d = g_full.view(-1, g_full.shape[-1])
         if grad_x is not None:
-            _linear_rows(gf2d[:lo], weight.t(), None, gx2d[:lo])  # g W: weight^T is "W^T"
-            _linear_rows(gf2d[hi:], weight.t(), None, gx2d[hi:])
+            _mm_rows(gf2d[:lo], weight, gx2d[:lo])
+            _mm_rows(gf2d[hi:], weight, gx2d[hi:])
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(weight, gf2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
