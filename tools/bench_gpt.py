@@ -89,6 +89,12 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--cuda-graph-warmup-steps", type=int, default=2)
     p.add_argument(
+        "--gemm-sm-carveout",
+        type=int,
+        default=None,
+        help="SMs cuBLAS leaves free for the collectives beside its GEMMs (torch's experimental knob)",
+    )
+    p.add_argument(
         "--tp-comm-overlap",
         action="store_true",
         help="under --sp: GEMMs split by sequence chunk beside the all-gathers / reduce-scatter",
@@ -100,12 +106,13 @@ def parse() -> argparse.Namespace:
 
 
 def profile(a, step, sync) -> None:
-    """Two profiled iterations; rank 0 writes a kernel summary (and rank 0's trace) under
-    `a.profile`."""
+    """Two profiled iterations; rank 0 writes a kernel summary, its trace and how much of the
+    communication ran beside compute (tools/trace_overlap.py) under `a.profile`."""
     import os
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+    from trace_overlap import summarize  # beside this script
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync()
@@ -116,15 +123,25 @@ def profile(a, step, sync) -> None:
     if dist.get_rank() == 0:
         os.makedirs(a.profile, exist_ok=True)
         name = f"tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}"
+        name += ("_overlap" if a.tp_comm_overlap else "") + ("_graph" if a.cuda_graph else "")
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
         with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
             f.write(table)
         print(table[:6000], flush=True)
+        trace_path = os.path.join(a.profile, f"{name}.json")
+        prof.export_chrome_trace(trace_path)
+        if not torch.cuda.is_available():
+            return
+        with open(trace_path) as f:
+            overlap = summarize(json.load(f), steps=2)
+        print("overlap per step (ms):", json.dumps(dict(run=name, **overlap)), flush=True)
 
 
 def main() -> None:
     a = parse()
     device = init_distributed()
+    if a.gemm_sm_carveout is not None:
+        torch._C._set_sm_carveout_experimental(a.gemm_sm_carveout)
     world = dist.get_world_size()
     layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp)
     groups = ParallelGroups.build(layout, range(world))

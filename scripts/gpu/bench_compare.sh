@@ -5,13 +5,14 @@
 # ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run;
 # ROW_TIMEOUT (s, default 300) stops a run that hangs; ROUNDS=N (default 1) runs all the rows N
 # times in turn, and the table shows the median and each round's ratio (hosts drift, see
-# BENCHMARKS.md).
+# BENCHMARKS.md). EXTRA_ROWS="name|nproc|args|frameworks|VAR=value ...;..." adds rows, the last
+# field setting environment variables for that row only (they run when ONLY names them).
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; ROW_TIMEOUT=${ROW_TIMEOUT:-300}; ROUNDS=${ROUNDS:-1}
 mkdir -p "$OUT"
 ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequence parallelism)
+ROWS=(  # name nproc args frameworks [env] (Megatron-Core's local spec refuses sequence parallelism)
   "tp1|1|--tp 1|mcore megadyn"
   "tp2|2|--tp 2|mcore megadyn"
   "pp2|2|--pp 2|mcore megadyn"
@@ -27,16 +28,18 @@ ROWS=(  # name nproc args frameworks (Megatron-Core's local spec refuses sequenc
   "tp2:sp_overlap_graph|2|--tp 2 --sp --tp-comm-overlap --cuda-graph|megadyn"
   "dp4:graph|4|--gbs 32 --cuda-graph|megadyn"
 )
+IFS=';' read -ra EXTRA <<< "${EXTRA_ROWS:-}"
+ROWS+=("${EXTRA[@]}")
 : > "$OUT/results.jsonl"
 for round in $(seq 1 "$ROUNDS"); do
   for row in "${ROWS[@]}"; do
-    IFS='|' read -r name n args frameworks <<< "$row"
+    IFS='|' read -r name n args frameworks envs <<< "$row"
     [[ " $ONLY " == *" $name "* ]] || continue
     for fw in $frameworks; do
       script=tools/bench_gpt.py; extra=$MEGADYN_ARGS
       [ "$fw" = mcore ] && script=.bench/mcore_gpt_bench.py && extra=""
       log="$OUT/${fw}_${name}_r${round}.log"
-      timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node "$n" $script $args $extra \
+      timeout "$ROW_TIMEOUT" env $envs torchrun --standalone --nproc-per-node "$n" $script $args $extra \
         --iters "$ITERS" --warmup 3 > "$log" 2>&1 || tail -5 "$log"
       grep '^{' "$log" | sed "s/^{/{\"row\": \"$name\", \"round\": $round, /" >> "$OUT/results.jsonl"
     done

@@ -123,8 +123,10 @@ def body(rank, world, tp):
             for name, t in got.items():
                 # (a) against the single-process layer
                 torch.testing.assert_close(t, expected[name], **TOL, msg=f"{what} {name}")
-                # (b) fusion against the plain path of the same layout
-                torch.testing.assert_close(t, plain[name], rtol=1e-5, atol=0, msg=f"{what} {name}")
+                # (b) fusion against the plain path of the same layout (the overlap sums the
+                # weight gradient chunk by chunk: rounding, so the absolute tolerance too)
+                tol = TOL if str(key).startswith("overlap") else dict(rtol=1e-5, atol=0)
+                torch.testing.assert_close(t, plain[name], **tol, msg=f"{what} {name}")
     groups.destroy()
 
 

@@ -11,8 +11,8 @@ transfer runs beside the chunk that does not need it:
                             sent (an all-gather of one chunk) while the own chunk is
                             multiplied, then the two are added; tp > 2: GEMM, reduce-scatter
     _RowSequenceOverlap     the row-parallel layer: linear_reduce_scatter forward; backward,
-                            the input gradient of the own chunk while the output gradient is
-                            all-gathered, then the rest and the weight gradient
+                            the own chunk's input and weight gradients while the output
+                            gradient is all-gathered, then the other chunks'
 
 Only collectives (no point-to-point rings) are used, so a CUDA graph captures them (cuda_graph.py).
 Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
@@ -91,21 +91,26 @@ class _RowSequenceOverlap(torch.autograd.Function):
         g = g.contiguous()  # [s/tp, b, out]
         g_full = g.new_empty((tp * g.shape[0],) + g.shape[1:])  # [s, b, out]
         work = dist.all_gather_into_tensor(g_full, g, group=group, async_op=True)
-        grad_x = None
         n = g.numel() // g.shape[-1]
-        lo, hi = rank * n, (rank + 1) * n
+        own = slice(rank * n, (rank + 1) * n)
+        others = (slice(0, rank * n), slice((rank + 1) * n, tp * n))
+        x2d, g_own = x.reshape(-1, x.shape[-1]), g.view(n, -1)
+        grad_x = gx2d = grad_w = None
+        # the own rows' input and weight gradients beside the gather, then the other rows'
         if ctx.needs_input_grad[0]:
             grad_x = x.new_empty(x.shape)  # [s, b, in/tp]
             gx2d = grad_x.view(-1, grad_x.shape[-1])
-            _mm_rows(g.view(n, -1), weight, gx2d[lo:hi])  # own rows, beside the gather
+            _mm_rows(g_own, weight, gx2d[own])
+        if ctx.needs_input_grad[1]:
+            grad_w = weight_grad(weight, g_own, x2d[own], ctx.fuse)
         work.wait()
         gf2d = g_full.view(-1, g_full.shape[-1])
-        if grad_x is not None:
-            _mm_rows(gf2d[:lo], weight, gx2d[:lo])
-            _mm_rows(gf2d[hi:], weight, gx2d[hi:])
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = weight_grad(weight, gf2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
+        for rows in others:
+            if gx2d is not None:
+                _mm_rows(gf2d[rows], weight, gx2d[rows])
+            if grad_w is not None and rows.stop > rows.start:
+                part = weight_grad(weight, gf2d[rows], x2d[rows], ctx.fuse)
+                grad_w = grad_w if ctx.fuse else grad_w + part  # fused: added to main_grad
         return grad_x, grad_w, None, None
 
 

@@ -1,0 +1,49 @@
+"""tools/trace_overlap.py: exposed communication and idle time from a kernel timeline."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "trace_overlap.py"
+spec = importlib.util.spec_from_file_location("trace_overlap", TOOL)
+trace_overlap = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(trace_overlap)
+
+
+def kernel(name, ts, dur, pid=0):
+    return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, pid=pid, tid=7)
+
+
+def test_exposed_communication_is_nccl_time_without_compute():
+    trace = dict(
+        traceEvents=[
+            kernel("sm90_xmma_gemm_bf16", 0, 10),
+            kernel("layer_norm_kernel", 20, 10),
+            kernel("ncclDevKernel_AllGather_RING_LL", 5, 20),  # 10 of its 20 us alone
+            kernel("ncclDevKernel_ReduceScatter", 40, 5),  # alone, after 10 us idle
+            kernel("nvjet_tst_gemm", 22, 4),  # inside the layer norm's interval
+            kernel("sm90_xmma_gemm_bf16", 0, 999, pid=1),  # another device: ignored
+            dict(ph="X", cat="cpu_op", name="aten::mm", ts=0, dur=500, pid=0),
+        ]
+    )
+    got = trace_overlap.summarize(trace, steps=1)
+    assert got["window"] == pytest.approx(0.045)
+    assert got["busy"] == pytest.approx(0.035)
+    assert got["compute"] == pytest.approx(0.020)
+    assert got["comm"] == pytest.approx(0.025)
+    assert got["exposed_comm"] == pytest.approx(0.015)
+    assert got["idle"] == pytest.approx(0.010)
+    assert got["gemm_sum"] == pytest.approx(0.014)
+    assert got["kernels"] == 5
+    assert got["nccl"] == {
+        "ncclDevKernel_AllGather_RING_LL": [1, 0.02],
+        "ncclDevKernel_ReduceScatter": [1, 0.005],
+    }
+    halved = trace_overlap.summarize(trace, steps=2)
+    assert halved["exposed_comm"] == pytest.approx(0.0075)
+
+
+def test_a_trace_without_gpu_kernels_is_refused():
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        trace_overlap.summarize(dict(traceEvents=[kernel("x", 0, 1) | dict(cat="cpu_op")]))
