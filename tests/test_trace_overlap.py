@@ -37,8 +37,8 @@ def test_exposed_communication_is_nccl_time_without_compute():
     assert got["gemm_sum"] == pytest.approx(0.014)
     assert got["kernels"] == 5
     assert got["nccl"] == {
-        "ncclDevKernel_AllGather_RING_LL": [1, 0.02],
-        "ncclDevKernel_ReduceScatter": [1, 0.005],
+        "ncclDevKernel_AllGather_RING_LL": [1, 0.02, 0.01],
+        "ncclDevKernel_ReduceScatter": [1, 0.005, 0.005],
     }
     halved = trace_overlap.summarize(trace, steps=2)
     assert halved["exposed_comm"] == pytest.approx(0.0075)
@@ -47,3 +47,19 @@ def test_exposed_communication_is_nccl_time_without_compute():
 def test_a_trace_without_gpu_kernels_is_refused():
     with pytest.raises(ValueError, match="no GPU kernel events"):
         trace_overlap.summarize(dict(traceEvents=[kernel("x", 0, 1) | dict(cat="cpu_op")]))
+
+
+def test_the_kernel_timeline_is_written_in_start_order(tmp_path):
+    import csv
+    import gzip
+
+    trace = dict(traceEvents=[kernel("late_gemm", 9, 2), kernel("ncclDevKernel_AllGather", 1, 5)])
+    path = tmp_path / "kernels.csv.gz"
+    trace_overlap.write_kernels_csv(trace, str(path))
+    with gzip.open(path, "rt") as f:
+        rows = list(csv.reader(f))
+    assert rows == [
+        ["ts", "dur", "stream", "name"],
+        ["1", "5", "7", "ncclDevKernel_AllGather"],
+        ["9", "2", "7", "late_gemm"],
+    ]

@@ -112,7 +112,7 @@ def profile(a, step, sync) -> None:
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    from trace_overlap import summarize  # beside this script
+    from trace_overlap import summarize, write_kernels_csv  # beside this script
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync()
@@ -133,7 +133,9 @@ def profile(a, step, sync) -> None:
         if not torch.cuda.is_available():
             return
         with open(trace_path) as f:
-            overlap = summarize(json.load(f), steps=2)
+            trace = json.load(f)
+        overlap = summarize(trace, steps=2)
+        write_kernels_csv(trace, os.path.join(a.profile, f"{name}_kernels.csv.gz"))
         print("overlap per step (ms):", json.dumps(dict(run=name, **overlap)), flush=True)
 
 

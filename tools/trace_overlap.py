@@ -11,7 +11,7 @@ one device's timeline, in milliseconds:
     exposed_comm     time an NCCL kernel runs and no compute kernel does
     idle             window - busy (host-bound gaps)
     gemm_sum         summed durations of GEMM kernels (slowed GEMMs show here)
-    nccl             per NCCL kernel name: [launches, summed duration]
+    nccl             per NCCL kernel name: [launches, summed duration, exposed duration]
 
 Usage: python3 tools/trace_overlap.py TRACE.json [--steps N]   (figures divided by N)
 """
@@ -83,6 +83,12 @@ def summarize(trace: dict, steps: int = 1) -> dict:
         if any(mark in name for mark in _GEMM_MARKS):
             gemm_sum += float(e["dur"])
     comm_u, compute_u = _union(comm), _union(compute)
+    exposed_by_name: dict[str, float] = {}
+    for e in events:
+        if "nccl" in e["name"].lower():
+            start = float(e["ts"])
+            alone = _minus([(start, start + float(e["dur"]))], compute_u)
+            exposed_by_name[e["name"][:60]] = exposed_by_name.get(e["name"][:60], 0.0) + alone
     busy = _union(comm + compute)
     window = busy[-1][1] - busy[0][0]
     per_step_ms = 1.0 / (1000.0 * steps)  # trace times are microseconds
@@ -97,8 +103,24 @@ def summarize(trace: dict, steps: int = 1) -> dict:
     )
     out = {k: round(v * per_step_ms, 4) for k, v in figures.items()}
     out["kernels"] = len(events)
-    out["nccl"] = {k: [c / steps, round(t * per_step_ms, 4)] for k, (c, t) in sorted(nccl.items())}
+    out["nccl"] = {
+        k: [c / steps, round(t * per_step_ms, 4), round(exposed_by_name[k] * per_step_ms, 4)]
+        for k, (c, t) in sorted(nccl.items())
+    }
     return out
+
+
+def write_kernels_csv(trace: dict, path: str) -> None:
+    """The kernel timeline (start us, duration us, stream, name) as gzipped CSV, for a closer
+    look at a few layers than the summary gives."""
+    import csv
+    import gzip
+
+    with gzip.open(path, "wt", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["ts", "dur", "stream", "name"])
+        for e in sorted(kernels(trace), key=lambda e: e["ts"]):
+            w.writerow([e["ts"], e["dur"], e.get("tid"), e["name"][:80]])
 
 
 def main() -> None:
