@@ -9,6 +9,8 @@ parallel step gives the eager step's losses and gradients.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -161,9 +163,12 @@ def test_what_a_graph_cannot_capture_is_refused():
 
 def gpu_body(rank, world):
     torch.cuda.set_device(rank)
-    worst = {}
+    worst, eager_runs = {}, {}
     sp = Layout(tp=2, sequence_parallel=True)
-    for layout, overlap in ((Layout(tp=2), False), (sp, False), (sp, True)):
+    runs = [(Layout(tp=2), False, "nccl"), (sp, False, "nccl"), (sp, True, "nccl")]
+    runs.append((sp, True, "copy-engine"))  # all-gathers through symmetric memory
+    for layout, overlap, transport in runs:
+        os.environ["MEGADYN_TP_COMM_TRANSPORT"] = transport
         args = (layout, world, 5, 4)
         eager = train(*args, None, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
         graph = MicroBatchGraph(warmup_steps=2)
@@ -171,12 +176,22 @@ def gpu_body(rank, world):
         assert graph.captures == 1
         loss = max(rel_error(a, b) for a, b in zip(graphed[0], eager[0]))
         grad = max(rel_error(graphed[1][n], g) for n, g in eager[1].items())
-        worst[f"{layout}{' --tp-comm-overlap' if overlap else ''}"] = (loss, grad)
+        name = f"{layout}{f' --tp-comm-overlap ({transport})' if overlap else ''}"
+        worst[f"graph vs eager, {name}"] = (loss, grad)
+        eager_runs[(overlap, transport)] = eager
         assert loss <= 1e-3 and grad <= 1e-2, (layout, loss, grad)
+    plain = eager_runs[(False, "nccl")]  # the SP run without overlap (the last such layout)
+    for key in ((True, "nccl"), (True, "copy-engine")):
+        got = eager_runs[key]
+        loss = max(rel_error(a, b) for a, b in zip(got[0], plain[0]))
+        grad = max(rel_error(got[1][n], g) for n, g in plain[1].items())
+        worst[f"eager --tp-comm-overlap ({key[1]}) vs eager SP"] = (loss, grad)
+        assert loss <= 1e-2 and grad <= 5e-2, (key, loss, grad)
+    os.environ.pop("MEGADYN_TP_COMM_TRANSPORT")
     return worst
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graph_matches_eager_on_gpus():
     for layout, (loss, grad) in spawn(gpu_body, world=2, timeout_s=300)[0].items():
-        print(f"{layout}: graph vs eager, relative error loss {loss:.1e}, grad {grad:.1e}")
+        print(f"{layout}: relative error loss {loss:.1e}, grad {grad:.1e}")

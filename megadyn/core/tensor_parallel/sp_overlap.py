@@ -21,6 +21,8 @@ Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,19 +41,39 @@ def _mm_rows(a, b, out, bias=None) -> None:
         torch.addmm(bias, a, b, out=out)
 
 
+def _copy_engine(x: torch.Tensor) -> bool:
+    """Whether all-gathers go through the copy engines (symmetric memory, no SMs taken from the
+    GEMMs beside them) instead of NCCL kernels. Experimental: MEGADYN_TP_COMM_TRANSPORT."""
+    if not x.is_cuda or os.environ.get("MEGADYN_TP_COMM_TRANSPORT") != "copy-engine":
+        return False
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers the op's CUDA side)
+
+    return True
+
+
+def _all_gather_start(x: torch.Tensor, group):
+    """Start gathering x [n, ...] from every rank into [tp * n, ...]; (output, wait)."""
+    x = x.contiguous()
+    if _copy_engine(x):
+        out = torch.ops.symm_mem._low_contention_all_gather(x, group.group_name)
+        return out, lambda: torch.ops._c10d_functional.wait_tensor(out)
+    out = x.new_empty((group_size(group) * x.shape[0],) + x.shape[1:])
+    work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+    return out, work.wait
+
+
 def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tensor]:
     """(x gathered along the sequence [s, b, in], F.linear of it [s, b, out]) from this rank's
     x [s/tp, b, in]; the own chunk's GEMM runs while the all-gather is in flight."""
-    tp, rank = group_size(group), group_rank(group)
+    rank = group_rank(group)
     x = x.contiguous()
-    full = x.new_empty((tp * x.shape[0],) + x.shape[1:])
-    work = dist.all_gather_into_tensor(full, x, group=group, async_op=True)
+    full, wait = _all_gather_start(x, group)
     y = x.new_empty(full.shape[:-1] + (weight.shape[0],))
     full2d, y2d = full.view(-1, full.shape[-1]), y.view(-1, y.shape[-1])
     n = x.numel() // x.shape[-1]  # token rows per chunk
     lo, hi = rank * n, (rank + 1) * n
     _mm_rows(x.view(n, -1), weight.t(), y2d[lo:hi], bias)
-    work.wait()
+    wait()
     _mm_rows(full2d[:lo], weight.t(), y2d[:lo], bias)
     _mm_rows(full2d[hi:], weight.t(), y2d[hi:], bias)
     return full, y
@@ -66,10 +88,9 @@ def linear_reduce_scatter(x, weight, group) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     n, peer = x2d.shape[0] // 2, 1 - rank
     part = torch.mm(x2d[peer * n : (peer + 1) * n], weight.t())  # the peer's rows: its partial
-    received = part.new_empty((2 * n, part.shape[1]))  # [rank 0's part; rank 1's part]
-    work = dist.all_gather_into_tensor(received, part, group=group, async_op=True)
+    received, wait = _all_gather_start(part, group)  # [rank 0's part; rank 1's part]
     own = torch.mm(x2d[rank * n : (rank + 1) * n], weight.t())
-    work.wait()
+    wait()
     own += received[peer * n : (peer + 1) * n]  # the peer's partial sum of this rank's rows
     return own.view((x.shape[0] // 2,) + x.shape[1:-1] + (weight.shape[0],))
 
@@ -89,8 +110,7 @@ class _RowSequenceOverlap(torch.autograd.Function):
         group = ctx.group
         tp, rank = group_size(group), group_rank(group)
         g = g.contiguous()  # [s/tp, b, out]
-        g_full = g.new_empty((tp * g.shape[0],) + g.shape[1:])  # [s, b, out]
-        work = dist.all_gather_into_tensor(g_full, g, group=group, async_op=True)
+        g_full, wait = _all_gather_start(g, group)  # [s, b, out]
         n = g.numel() // g.shape[-1]
         own = slice(rank * n, (rank + 1) * n)
         others = (slice(0, rank * n), slice((rank + 1) * n, tp * n))
@@ -103,7 +123,7 @@ class _RowSequenceOverlap(torch.autograd.Function):
             _mm_rows(g_own, weight, gx2d[own])
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(weight, g_own, x2d[own], ctx.fuse)
-        work.wait()
+        wait()
         gf2d = g_full.view(-1, g_full.shape[-1])
         for rows in others:
             if gx2d is not None:
