@@ -23,6 +23,7 @@ def test_exposed_communication_is_nccl_time_without_compute():
             kernel("ncclDevKernel_AllGather_RING_LL", 5, 20),  # 10 of its 20 us alone
             kernel("ncclDevKernel_ReduceScatter", 40, 5),  # alone, after 10 us idle
             kernel("nvjet_tst_gemm", 22, 4),  # inside the layer norm's interval
+            kernel("Memcpy PtoP (Device -> Device)", 20, 4) | dict(cat="gpu_memcpy"),
             kernel("sm90_xmma_gemm_bf16", 0, 999, pid=1),  # another device: ignored
             dict(ph="X", cat="cpu_op", name="aten::mm", ts=0, dur=500, pid=0),
         ]
@@ -31,12 +32,13 @@ def test_exposed_communication_is_nccl_time_without_compute():
     assert got["window"] == pytest.approx(0.045)
     assert got["busy"] == pytest.approx(0.035)
     assert got["compute"] == pytest.approx(0.020)
-    assert got["comm"] == pytest.approx(0.025)
+    assert got["comm"] == pytest.approx(0.025)  # the copy ran within the all-gather
     assert got["exposed_comm"] == pytest.approx(0.015)
     assert got["idle"] == pytest.approx(0.010)
     assert got["gemm_sum"] == pytest.approx(0.014)
-    assert got["kernels"] == 5
-    assert got["nccl"] == {
+    assert got["kernels"] == 6
+    assert got["transfers"] == {
+        "Memcpy PtoP (Device -> Device)": [1, 0.004, 0.0],
         "ncclDevKernel_AllGather_RING_LL": [1, 0.02, 0.01],
         "ncclDevKernel_ReduceScatter": [1, 0.005, 0.005],
     }

@@ -1,17 +1,17 @@
 """How much of a step's communication the GPU hides behind compute, from a torch.profiler trace.
 
-Reads the Chrome trace that torch.profiler exports (`prof.export_chrome_trace`) and sorts GPU
-kernels into communication (NCCL kernels) and compute (every other kernel), then measures on
-one device's timeline, in milliseconds:
+Reads the Chrome trace that torch.profiler exports (`prof.export_chrome_trace`) and sorts the
+GPU's work into transfers (NCCL kernels, and memory copies: the copy engines) and compute
+(every other kernel), then measures on one device's timeline, in milliseconds:
 
-    window           first kernel start to last kernel end
-    busy             time any kernel runs
+    window           first start to last end
+    busy             time any kernel or copy runs
     compute          time a compute kernel runs
-    comm             time an NCCL kernel runs
-    exposed_comm     time an NCCL kernel runs and no compute kernel does
-    idle             window - busy (host-bound gaps)
+    comm             time a transfer runs
+    exposed_comm     time a transfer runs and no compute kernel does
+    idle             window - busy (host-bound gaps, launch latency)
     gemm_sum         summed durations of GEMM kernels (slowed GEMMs show here)
-    nccl             per NCCL kernel name: [launches, summed duration, exposed duration]
+    transfers        per transfer name: [count, summed duration, exposed duration]
 
 Usage: python3 tools/trace_overlap.py TRACE.json [--steps N]   (figures divided by N)
 """
@@ -57,11 +57,11 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
 
 
 def kernels(trace: dict) -> list[dict]:
-    """The GPU kernel events of the first device in the trace."""
+    """The GPU kernel and memory-copy events of the first device in the trace."""
     events = [
         e
         for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e
     ]
     if not events:
         raise ValueError("the trace has no GPU kernel events (profiled without CUDA?)")
@@ -69,26 +69,27 @@ def kernels(trace: dict) -> list[dict]:
     return [e for e in events if e["pid"] == first]
 
 
+def _is_transfer(e: dict) -> bool:
+    return e.get("cat") == "gpu_memcpy" or "nccl" in e["name"].lower()
+
+
 def summarize(trace: dict, steps: int = 1) -> dict:
     """The figures of the module docstring, per step, from a Chrome trace dict."""
-    comm, compute, gemm_sum, nccl = [], [], 0.0, {}
+    comm, compute, gemm_sum = [], [], 0.0
     events = kernels(trace)
     for e in events:
         interval = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        name = e["name"].lower()
-        (comm if "nccl" in name else compute).append(interval)
-        if "nccl" in name:
-            count, total = nccl.get(e["name"][:60], (0, 0.0))
-            nccl[e["name"][:60]] = (count + 1, total + float(e["dur"]))
-        if any(mark in name for mark in _GEMM_MARKS):
+        (comm if _is_transfer(e) else compute).append(interval)
+        if any(mark in e["name"].lower() for mark in _GEMM_MARKS):
             gemm_sum += float(e["dur"])
     comm_u, compute_u = _union(comm), _union(compute)
-    exposed_by_name: dict[str, float] = {}
-    for e in events:
-        if "nccl" in e["name"].lower():
-            start = float(e["ts"])
-            alone = _minus([(start, start + float(e["dur"]))], compute_u)
-            exposed_by_name[e["name"][:60]] = exposed_by_name.get(e["name"][:60], 0.0) + alone
+    transfers: dict[str, list[float]] = {}  # name -> [count, duration, exposed]
+    for e in filter(_is_transfer, events):
+        start, dur = float(e["ts"]), float(e["dur"])
+        row = transfers.setdefault(e["name"][:60], [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += dur
+        row[2] += _minus([(start, start + dur)], compute_u)
     busy = _union(comm + compute)
     window = busy[-1][1] - busy[0][0]
     per_step_ms = 1.0 / (1000.0 * steps)  # trace times are microseconds
@@ -103,9 +104,9 @@ def summarize(trace: dict, steps: int = 1) -> dict:
     )
     out = {k: round(v * per_step_ms, 4) for k, v in figures.items()}
     out["kernels"] = len(events)
-    out["nccl"] = {
-        k: [c / steps, round(t * per_step_ms, 4), round(exposed_by_name[k] * per_step_ms, 4)]
-        for k, (c, t) in sorted(nccl.items())
+    out["transfers"] = {
+        k: [c / steps, round(t * per_step_ms, 4), round(x * per_step_ms, 4)]
+        for k, (c, t, x) in sorted(transfers.items())
     }
     return out
 

@@ -35,7 +35,11 @@ from megadyn.core.tensor_parallel.mappings import (
     reduce_scatter_sequence,
     reduce_scatter_to_sequence,
 )
-from megadyn.core.tensor_parallel.sp_overlap import all_gather_linear, row_parallel_overlap
+from megadyn.core.tensor_parallel.sp_overlap import (
+    all_gather_linear,
+    reduce_scatter_start,
+    row_parallel_overlap,
+)
 from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
 
 
@@ -61,7 +65,7 @@ class _LinearAsyncReduce(torch.autograd.Function):
             x = gather_sequence(x, input_group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
-        ctx.gather_input = gather_input
+        ctx.gather_input, ctx.overlap = gather_input, overlap
         if y is not None:
             return y
         if group_size(output_group) == 1:
@@ -75,20 +79,23 @@ class _LinearAsyncReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grad_x, handle = None, None
+        grad_x, wait = None, None
         if ctx.needs_input_grad[0]:
             grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
-            if ctx.gather_input:
+            if ctx.gather_input and ctx.overlap:
+                grad_x, wait = reduce_scatter_start(grad_x, ctx.group)
+            elif ctx.gather_input:
                 grad_x, handle = reduce_scatter_sequence(grad_x, ctx.group, async_op=True)
+                wait = handle.wait if handle is not None else None
             elif group_size(ctx.group) > 1:
-                handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+                wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
         g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad(weight, g2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
         grad_b = g2d.sum(0) if ctx.has_bias else None
-        if handle is not None:
-            handle.wait()
+        if wait is not None:
+            wait()
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

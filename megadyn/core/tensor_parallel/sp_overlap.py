@@ -62,6 +62,17 @@ def _all_gather_start(x: torch.Tensor, group):
     return out, work.wait
 
 
+def reduce_scatter_start(x: torch.Tensor, group):
+    """Start reducing partial sums x [tp * n, ...] into this rank's [n, ...]; (output, wait)."""
+    if _copy_engine(x):
+        out = torch.ops.symm_mem._low_contention_reduce_scatter(
+            x.contiguous(), "sum", group.group_name
+        )
+        return out, lambda: torch.ops._c10d_functional.wait_tensor(out)
+    out, work = reduce_scatter_sequence(x, group, async_op=True)
+    return out, work.wait
+
+
 def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tensor]:
     """(x gathered along the sequence [s, b, in], F.linear of it [s, b, out]) from this rank's
     x [s/tp, b, in]; the own chunk's GEMM runs while the all-gather is in flight."""
