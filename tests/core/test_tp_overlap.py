@@ -133,3 +133,22 @@ def body(rank, world, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_linear_with_overlap_matches_single_process(tp):
     spawn(body, world=WORLD, args=(tp,))
+
+
+def reduce_scatter_body(rank, world):
+    from megadyn.core.tensor_parallel.sp_overlap import _reduce_scatter_by_gather
+
+    groups = ParallelGroups.build(Layout(tp=2, dp=world // 2), range(world))
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(6, 3, 5, generator=gen)  # a partial sum [s, b, h] on each rank
+    expected = torch.empty(3, 3, 5)
+    dist.reduce_scatter_tensor(expected, x.clone(), group=groups.tp_group)
+    got = _reduce_scatter_by_gather(x, groups.tp_group)()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    groups.destroy()
+
+
+def test_the_gathered_reduce_scatter_equals_nccls():
+    """tp = 2's reduce-scatter as an all-gather of the peer's rows (the copy-engine path's
+    arithmetic, run here over gloo) against the collective reduce-scatter."""
+    spawn(reduce_scatter_body, world=WORLD)

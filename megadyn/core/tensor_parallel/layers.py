@@ -79,11 +79,11 @@ class _LinearAsyncReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grad_x, wait = None, None
+        grad_x, wait, finish = None, None, None
         if ctx.needs_input_grad[0]:
             grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
             if ctx.gather_input and ctx.overlap:
-                grad_x, wait = reduce_scatter_start(grad_x, ctx.group)
+                finish = reduce_scatter_start(grad_x, ctx.group)  # returns the reduced grad_x
             elif ctx.gather_input:
                 grad_x, handle = reduce_scatter_sequence(grad_x, ctx.group, async_op=True)
                 wait = handle.wait if handle is not None else None
@@ -96,6 +96,8 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias else None
         if wait is not None:
             wait()
+        if finish is not None:
+            grad_x = finish()
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

@@ -62,15 +62,27 @@ def _all_gather_start(x: torch.Tensor, group):
     return out, work.wait
 
 
+def _reduce_scatter_by_gather(x: torch.Tensor, group):
+    """tp = 2: each rank sends its partial of the peer's rows (an all-gather) and adds the
+    peer's partial of its own rows; returns `finish`, which waits and returns the sum."""
+    x = x.contiguous()
+    rank, n = group_rank(group), x.shape[0] // 2
+    received, wait = _all_gather_start(x[(1 - rank) * n : (2 - rank) * n], group)
+
+    def finish():
+        wait()
+        return x[rank * n : (rank + 1) * n] + received[(1 - rank) * n : (2 - rank) * n]
+
+    return finish
+
+
 def reduce_scatter_start(x: torch.Tensor, group):
-    """Start reducing partial sums x [tp * n, ...] into this rank's [n, ...]; (output, wait)."""
-    if _copy_engine(x):
-        out = torch.ops.symm_mem._low_contention_reduce_scatter(
-            x.contiguous(), "sum", group.group_name
-        )
-        return out, lambda: torch.ops._c10d_functional.wait_tensor(out)
+    """Start reducing partial sums x [tp * n, ...] into this rank's [n, ...]; returns `finish`,
+    which waits and returns the result (through the copy engines at tp = 2)."""
+    if group_size(group) == 2 and _copy_engine(x):
+        return _reduce_scatter_by_gather(x, group)
     out, work = reduce_scatter_sequence(x, group, async_op=True)
-    return out, work.wait
+    return lambda: (work.wait(), out)[1]
 
 
 def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tensor]:
