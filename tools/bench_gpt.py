@@ -99,6 +99,7 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="under --sp: GEMMs split by sequence chunk beside the all-gathers / reduce-scatter",
     )
+    p.add_argument("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"], default="nccl")
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
     )
@@ -123,7 +124,9 @@ def profile(a, step, sync) -> None:
     if dist.get_rank() == 0:
         os.makedirs(a.profile, exist_ok=True)
         name = f"tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}"
-        name += ("_overlap" if a.tp_comm_overlap else "") + ("_graph" if a.cuda_graph else "")
+        if a.tp_comm_overlap:
+            name += "_overlap" + ("_ce" if a.tp_comm_overlap_transport == "copy-engine" else "")
+        name += "_graph" if a.cuda_graph else ""
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
         with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
             f.write(table)
@@ -160,6 +163,7 @@ def main() -> None:
         fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
         attention_backend=a.attention_backend,
         tp_comm_overlap=a.tp_comm_overlap,
+        tp_comm_overlap_transport=a.tp_comm_overlap_transport,
     )
     recompute = dict(
         none=RecomputeConfig(),
@@ -259,6 +263,8 @@ def main() -> None:
         sp=a.sp,
         cuda_graph=a.cuda_graph,
         tp_comm_overlap=a.tp_comm_overlap,
+        tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,
+        gemm_sm_carveout=a.gemm_sm_carveout,
         attn="sdpa",
         attention_backend=a.attention_backend,
         recompute=a.recompute,

@@ -65,6 +65,10 @@ class GPTConfig:
     reduce-scatter by sequence chunk, so each collective runs beside the GEMM of a chunk that
     does not need it (--tp-comm-overlap; meant for CUDA-graph steps, where the extra kernel
     launches cost no host time)."""
+    tp_comm_overlap_transport: str = "nccl"
+    """How --tp-comm-overlap moves data (--tp-comm-overlap-transport): 'nccl' (NCCL kernels) or
+    'copy-engine' (GPU copy engines through torch's symmetric memory: no multiprocessors taken
+    from the GEMMs beside them; CUDA with peer access between the tensor-parallel GPUs)."""
     fused_loss: bool | None = None
     """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
     when the logits are on a GPU (the math is the same; eager on the CPU)."""
@@ -92,9 +96,15 @@ class GPTConfig:
             ("normalization", ("LayerNorm", "RMSNorm")),
             ("activation", ("gelu", "swiglu")),
             ("attention_backend", ("auto", "flash", "fused", "unfused", "local")),
+            ("tp_comm_overlap_transport", ("nccl", "copy-engine")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def comm_overlap(self) -> str | None:
+        """The layers' `comm_overlap`: the transport under --tp-comm-overlap, else None."""
+        return self.tp_comm_overlap_transport if self.tp_comm_overlap else None
 
     @property
     def head_dim(self) -> int:

@@ -133,7 +133,7 @@ class GPTModel(nn.Module):
                 local_output_size=vocab_end - self.vocab_start,
                 skip_weight=tied,
                 grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
-                comm_overlap=cfg.tp_comm_overlap,
+                comm_overlap=cfg.comm_overlap,
                 dtype=dtype,
                 device=device,
             )

@@ -80,7 +80,7 @@ class SelfAttention(nn.Module):
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
-            comm_overlap=cfg.tp_comm_overlap,
+            comm_overlap=cfg.comm_overlap,
             dtype=dtype,
             device=device,
         )
@@ -127,7 +127,7 @@ class MLP(nn.Module):
             bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
-            comm_overlap=cfg.tp_comm_overlap,
+            comm_overlap=cfg.comm_overlap,
             dtype=dtype,
             device=device,
         )

@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     m("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"])
     m("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", action="store_false")
     m("--tp-comm-overlap", action="store_true")
+    m("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"])
     m("--cross-entropy-loss-fusion", "fused_loss", action="store_const", const=True)
     m("--no-cross-entropy-loss-fusion", "fused_loss", action="store_const", const=False)
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
@@ -397,6 +398,8 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
             "--tp-comm-overlap overlaps sequence parallelism's collectives: it "
             "needs --sequence-parallel"
         )
+    if model.tp_comm_overlap_transport != "nccl" and not model.tp_comm_overlap:
+        raise ConfigError("--tp-comm-overlap-transport applies to --tp-comm-overlap: add it")
     if train.enable_cuda_graph:
         try:
             check_cuda_graph(

@@ -9,8 +9,6 @@ parallel step gives the eager step's losses and gradients.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -42,7 +40,7 @@ class RecordOnly:
         self.fn = None
 
 
-def train(layout, world, steps, m, graph, device, dtype, backend=None, overlap=False):
+def train(layout, world, steps, m, graph, device, dtype, backend=None, overlap=None):
     """`steps` steps of `m` micro batches (SGD on main_grad); per-step losses and the final
     main_grads, with or without `graph` (and --tp-comm-overlap's split GEMMs)."""
     seq = 16
@@ -53,7 +51,8 @@ def train(layout, world, steps, m, graph, device, dtype, backend=None, overlap=F
         params_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tp_comm_overlap=overlap,
+        tp_comm_overlap=bool(overlap),
+        tp_comm_overlap_transport=overlap or "nccl",
     )
     groups = ParallelGroups.build(layout, range(world), backend=backend)
     chunks = build_gpt_chunks(cfg, groups, seed=SEED, device=device)
@@ -99,7 +98,7 @@ def cpu_body(rank, world):
     sp = (Layout(tp=2, sequence_parallel=True), world, 3, 2)
     plain = train(*sp, None, "cpu", torch.float32)
     graph = MicroBatchGraph(warmup_steps=1, capture=RecordOnly)
-    overlapped = train(*sp, graph, "cpu", torch.float32, overlap=True)
+    overlapped = train(*sp, graph, "cpu", torch.float32, overlap="nccl")
     for a, b in zip(overlapped[0], plain[0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for name, grad in plain[1].items():
@@ -165,10 +164,8 @@ def gpu_body(rank, world):
     torch.cuda.set_device(rank)
     worst, eager_runs = {}, {}
     sp = Layout(tp=2, sequence_parallel=True)
-    runs = [(Layout(tp=2), False, "nccl"), (sp, False, "nccl"), (sp, True, "nccl")]
-    runs.append((sp, True, "copy-engine"))  # all-gathers through symmetric memory
-    for layout, overlap, transport in runs:
-        os.environ["MEGADYN_TP_COMM_TRANSPORT"] = transport
+    runs = [(Layout(tp=2), None), (sp, None), (sp, "nccl"), (sp, "copy-engine")]
+    for layout, overlap in runs:  # overlap: --tp-comm-overlap's transport
         args = (layout, world, 5, 4)
         eager = train(*args, None, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
         graph = MicroBatchGraph(warmup_steps=2)
@@ -176,18 +173,17 @@ def gpu_body(rank, world):
         assert graph.captures == 1
         loss = max(rel_error(a, b) for a, b in zip(graphed[0], eager[0]))
         grad = max(rel_error(graphed[1][n], g) for n, g in eager[1].items())
-        name = f"{layout}{f' --tp-comm-overlap ({transport})' if overlap else ''}"
+        name = f"{layout}{f' --tp-comm-overlap ({overlap})' if overlap else ''}"
         worst[f"graph vs eager, {name}"] = (loss, grad)
-        eager_runs[(overlap, transport)] = eager
+        eager_runs[overlap] = eager
         assert loss <= 1e-3 and grad <= 1e-2, (layout, loss, grad)
-    plain = eager_runs[(False, "nccl")]  # the SP run without overlap (the last such layout)
-    for key in ((True, "nccl"), (True, "copy-engine")):
-        got = eager_runs[key]
+    plain = eager_runs[None]  # the SP run without overlap (the last layout without one)
+    for transport in ("nccl", "copy-engine"):
+        got = eager_runs[transport]
         loss = max(rel_error(a, b) for a, b in zip(got[0], plain[0]))
         grad = max(rel_error(got[1][n], g) for n, g in plain[1].items())
-        worst[f"eager --tp-comm-overlap ({key[1]}) vs eager SP"] = (loss, grad)
-        assert loss <= 1e-2 and grad <= 5e-2, (key, loss, grad)
-    os.environ.pop("MEGADYN_TP_COMM_TRANSPORT")
+        worst[f"eager --tp-comm-overlap ({transport}) vs eager SP"] = (loss, grad)
+        assert loss <= 1e-2 and grad <= 5e-2, (transport, loss, grad)
     return worst
 
 

@@ -66,7 +66,7 @@ def local_pieces(ref: dict, cls, sp: bool, tp: int, rank: int) -> dict:
 
 def run_layer(cls, group, expected, *, sp, fuse, input_grad=True, tied=False, overlap=False):
     """Forward and backward of one layer holding this rank's weights; its output and grads."""
-    kw = dict(sequence_parallel=sp, grad_accumulation_fusion=fuse, comm_overlap=overlap)
+    kw = dict(sequence_parallel=sp, grad_accumulation_fusion=fuse, comm_overlap=overlap or None)
     if tied:
         kw["skip_weight"] = True
     layer = cls(IN, OUT, group, **kw)
@@ -115,7 +115,7 @@ def body(rank, world, tp):
                     sp=sp,
                     fuse=fuse,
                     input_grad=input_grad,
-                    overlap=True,
+                    overlap="nccl",
                 )
         plain = runs[False]
         for key, got in runs.items():
@@ -136,19 +136,25 @@ def test_parallel_linear_with_overlap_matches_single_process(tp):
 
 
 def reduce_scatter_body(rank, world):
-    from megadyn.core.tensor_parallel.sp_overlap import _reduce_scatter_by_gather
+    from megadyn.core.tensor_parallel.sp_overlap import (
+        _reduce_scatter_by_gather,
+        reduce_scatter_start,
+    )
 
     groups = ParallelGroups.build(Layout(tp=2, dp=world // 2), range(world))
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(6, 3, 5, generator=gen)  # a partial sum [s, b, h] on each rank
     expected = torch.empty(3, 3, 5)
     dist.reduce_scatter_tensor(expected, x.clone(), group=groups.tp_group)
-    got = _reduce_scatter_by_gather(x, groups.tp_group)()
+    got = _reduce_scatter_by_gather(x, groups.tp_group, "nccl")()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="--tp-comm-overlap-transport copy-engine needs CUDA"):
+        reduce_scatter_start(x, groups.tp_group, "copy-engine")
     groups.destroy()
 
 
 def test_the_gathered_reduce_scatter_equals_nccls():
     """tp = 2's reduce-scatter as an all-gather of the peer's rows (the copy-engine path's
-    arithmetic, run here over gloo) against the collective reduce-scatter."""
+    arithmetic, run here over gloo) against the collective reduce-scatter; the copy engines
+    refuse CPU tensors."""
     spawn(reduce_scatter_body, world=WORLD)

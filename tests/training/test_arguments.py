@@ -40,7 +40,7 @@ FLAGS = [
     "--position-embedding-type", "--rampup-batch-size", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--rotary-base", "--save", "--save-interval",
     "--seed", "--seq-length", "--sequence-parallel", "--split", "--start-weight-decay",
-    "--swiglu", "--tensor-model-parallel-size", "--tp-comm-overlap", "--timing-log-level", "--tokenizer-model",
+    "--swiglu", "--tensor-model-parallel-size", "--tp-comm-overlap", "--tp-comm-overlap-transport", "--timing-log-level", "--tokenizer-model",
     "--tokenizer-type", "--train-iters", "--train-samples", "--untie-embeddings-and-output-weights",
     "--use-distributed-optimizer", "--vocab-file", "--vocab-size", "--wandb-exp-name",
     "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-decay-incr-style", "-h",
@@ -184,6 +184,9 @@ def test_megatron_defaults_and_derived_values():
         ("--distributed-timeout-minutes 0", 8, "--distributed-timeout-minutes"),
         ("--elastic-heartbeat-timeout -1", 8, "--elastic-heartbeat-timeout"),
         ("--tp-comm-overlap --tensor-model-parallel-size 2", 8, "--tp-comm-overlap"),
+        ("--tp-comm-overlap-transport copy-engine --tensor-model-parallel-size 2 "
+         "--sequence-parallel", 8, "--tp-comm-overlap-transport"),
+        ("--tp-comm-overlap-transport shm", 8, "--tp-comm-overlap-transport"),
         ("--enable-cuda-graph", 8, "--enable-cuda-graph"),  # Megatron's default dropout 0.1
         (f"--enable-cuda-graph {NO_DROPOUT} --pipeline-model-parallel-size 2", 8,
          "--enable-cuda-graph"),

@@ -15,8 +15,9 @@ models and modules without DDP take plain `F.linear`.
 
 Communication overlap: a column-parallel layer all-reduces its input gradient (reduce-scatters
 it under sequence parallelism) asynchronously while its weight gradient is computed. With
-`comm_overlap` (sequence parallelism, --tp-comm-overlap) the all-gathers and the row-parallel
-reduce-scatter also run beside per-chunk GEMMs (sp_overlap.py).
+`comm_overlap` (sequence parallelism, --tp-comm-overlap: the transport, 'nccl' or
+'copy-engine') the all-gathers and the row-parallel reduce-scatter also run beside per-chunk
+GEMMs (sp_overlap.py).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class _LinearAsyncReduce(torch.autograd.Function):
     def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input, overlap):
         y = None
         if gather_input and overlap:  # the own chunk's GEMM beside the all-gather
-            x, y = all_gather_linear(x, weight, bias, input_group)
+            x, y = all_gather_linear(x, weight, bias, input_group, overlap)
         elif gather_input:
             x = gather_sequence(x, input_group)  # [s, b, in]
         ctx.save_for_backward(x, weight)
@@ -82,8 +83,8 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_x, wait, finish = None, None, None
         if ctx.needs_input_grad[0]:
             grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
-            if ctx.gather_input and ctx.overlap:
-                finish = reduce_scatter_start(grad_x, ctx.group)  # returns the reduced grad_x
+            if ctx.gather_input and ctx.overlap:  # finish() returns the reduced grad_x
+                finish = reduce_scatter_start(grad_x, ctx.group, ctx.overlap)
             elif ctx.gather_input:
                 grad_x, handle = reduce_scatter_sequence(grad_x, ctx.group, async_op=True)
                 wait = handle.wait if handle is not None else None
@@ -109,13 +110,14 @@ def _linear(
     input_group=None,
     output_group=None,
     gather_input=False,
-    overlap=False,
+    overlap=None,
 ):
     """F.linear with the input gradient all-reduced (or, with `gather_input`, the input
     all-gathered and its gradient reduce-scattered) over `input_group`, overlapped with the
     weight-gradient GEMM, or the output all-reduced over `output_group`; the weight gradient
     goes into `main_grad` when `fuse_wgrad` allows. `overlap` (sequence parallelism,
-    --tp-comm-overlap) runs the own sequence chunk's GEMM beside the all-gather."""
+    --tp-comm-overlap: its transport) runs the own sequence chunk's GEMM beside the
+    all-gather."""
     fuse = fuse_wgrad(weight, fuse)
     if fuse or group_size(input_group) > 1 or group_size(output_group) > 1:
         return _LinearAsyncReduce.apply(
@@ -160,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
         local_output_size: int | None = None,
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
-        comm_overlap: bool = False,
+        comm_overlap: str | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -169,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
         self.grad_accumulation_fusion = grad_accumulation_fusion
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.comm_overlap = comm_overlap and sequence_parallel
+        self.comm_overlap = comm_overlap if sequence_parallel else None
         tp = group_size(tp_group)
         local = local_output_size or divide(output_size, tp, "output size")
         self.weight = (
@@ -213,7 +215,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
-        comm_overlap: bool = False,
+        comm_overlap: str | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -221,7 +223,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.grad_accumulation_fusion = grad_accumulation_fusion
-        self.comm_overlap = comm_overlap and sequence_parallel
+        self.comm_overlap = comm_overlap if sequence_parallel else None
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
         self.bias = (
@@ -233,7 +235,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fuse = self.grad_accumulation_fusion
         if self.comm_overlap and group_size(self.tp_group) > 1:
-            y = row_parallel_overlap(x, self.weight, self.tp_group, fuse_wgrad(self.weight, fuse))
+            fuse = fuse_wgrad(self.weight, fuse)
+            y = row_parallel_overlap(x, self.weight, self.tp_group, fuse, self.comm_overlap)
         elif self.sequence_parallel:
             y = _linear(x, self.weight, None, fuse)  # partial sums [s, b, out]
             y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]

@@ -14,14 +14,20 @@ transfer runs beside the chunk that does not need it:
                             the own chunk's input and weight gradients while the output
                             gradient is all-gathered, then the other chunks'
 
-Only collectives (no point-to-point rings) are used, so a CUDA graph captures them (cuda_graph.py).
+The transfers are collectives, so a CUDA graph captures them (cuda_graph.py), through one of two
+transports (--tp-comm-overlap-transport):
+
+    nccl          NCCL kernels; they take multiprocessors, and a GEMM that has them all
+                  delays the collective beside it
+    copy-engine   the copy engines, through torch's symmetric memory (the all-gathers; at
+                  tp = 2 also the reduce-scatters, as an all-gather of the peer's rows), so
+                  the GEMMs keep every multiprocessor (BENCHMARKS.md, sixth session)
+
 Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
 Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -41,20 +47,22 @@ def _mm_rows(a, b, out, bias=None) -> None:
         torch.addmm(bias, a, b, out=out)
 
 
-def _copy_engine(x: torch.Tensor) -> bool:
-    """Whether all-gathers go through the copy engines (symmetric memory, no SMs taken from the
-    GEMMs beside them) instead of NCCL kernels. Experimental: MEGADYN_TP_COMM_TRANSPORT."""
-    if not x.is_cuda or os.environ.get("MEGADYN_TP_COMM_TRANSPORT") != "copy-engine":
+def _copy_engine(x: torch.Tensor, transport: str) -> bool:
+    """Whether the transfer goes through the copy engines (torch's symmetric memory: no
+    multiprocessors taken from the GEMMs beside it) rather than NCCL kernels."""
+    if transport != "copy-engine":
         return False
+    if not x.is_cuda:
+        raise ValueError("--tp-comm-overlap-transport copy-engine needs CUDA tensors")
     import torch.distributed._symmetric_memory  # noqa: F401  (registers the op's CUDA side)
 
     return True
 
 
-def _all_gather_start(x: torch.Tensor, group):
+def _all_gather_start(x: torch.Tensor, group, transport: str):
     """Start gathering x [n, ...] from every rank into [tp * n, ...]; (output, wait)."""
     x = x.contiguous()
-    if _copy_engine(x):
+    if _copy_engine(x, transport):
         out = torch.ops.symm_mem._low_contention_all_gather(x, group.group_name)
         return out, lambda: torch.ops._c10d_functional.wait_tensor(out)
     out = x.new_empty((group_size(group) * x.shape[0],) + x.shape[1:])
@@ -62,12 +70,12 @@ def _all_gather_start(x: torch.Tensor, group):
     return out, work.wait
 
 
-def _reduce_scatter_by_gather(x: torch.Tensor, group):
+def _reduce_scatter_by_gather(x: torch.Tensor, group, transport: str):
     """tp = 2: each rank sends its partial of the peer's rows (an all-gather) and adds the
     peer's partial of its own rows; returns `finish`, which waits and returns the sum."""
     x = x.contiguous()
     rank, n = group_rank(group), x.shape[0] // 2
-    received, wait = _all_gather_start(x[(1 - rank) * n : (2 - rank) * n], group)
+    received, wait = _all_gather_start(x[(1 - rank) * n : (2 - rank) * n], group, transport)
 
     def finish():
         wait()
@@ -76,21 +84,21 @@ def _reduce_scatter_by_gather(x: torch.Tensor, group):
     return finish
 
 
-def reduce_scatter_start(x: torch.Tensor, group):
+def reduce_scatter_start(x: torch.Tensor, group, transport: str):
     """Start reducing partial sums x [tp * n, ...] into this rank's [n, ...]; returns `finish`,
     which waits and returns the result (through the copy engines at tp = 2)."""
-    if group_size(group) == 2 and _copy_engine(x):
-        return _reduce_scatter_by_gather(x, group)
+    if group_size(group) == 2 and _copy_engine(x, transport):
+        return _reduce_scatter_by_gather(x, group, transport)
     out, work = reduce_scatter_sequence(x, group, async_op=True)
     return lambda: (work.wait(), out)[1]
 
 
-def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tensor]:
+def all_gather_linear(x, weight, bias, group, transport: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(x gathered along the sequence [s, b, in], F.linear of it [s, b, out]) from this rank's
     x [s/tp, b, in]; the own chunk's GEMM runs while the all-gather is in flight."""
     rank = group_rank(group)
     x = x.contiguous()
-    full, wait = _all_gather_start(x, group)
+    full, wait = _all_gather_start(x, group, transport)
     y = x.new_empty(full.shape[:-1] + (weight.shape[0],))
     full2d, y2d = full.view(-1, full.shape[-1]), y.view(-1, y.shape[-1])
     n = x.numel() // x.shape[-1]  # token rows per chunk
@@ -102,7 +110,7 @@ def all_gather_linear(x, weight, bias, group) -> tuple[torch.Tensor, torch.Tenso
     return full, y
 
 
-def linear_reduce_scatter(x, weight, group) -> torch.Tensor:
+def linear_reduce_scatter(x, weight, group, transport: str) -> torch.Tensor:
     """F.linear(x, weight) [s, b, out] (a partial sum over tp) reduce-scattered along the
     sequence to [s/tp, b, out]; at tp = 2 the GEMMs run beside the exchange."""
     tp, rank = group_size(group), group_rank(group)
@@ -111,7 +119,7 @@ def linear_reduce_scatter(x, weight, group) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     n, peer = x2d.shape[0] // 2, 1 - rank
     part = torch.mm(x2d[peer * n : (peer + 1) * n], weight.t())  # the peer's rows: its partial
-    received, wait = _all_gather_start(part, group)  # [rank 0's part; rank 1's part]
+    received, wait = _all_gather_start(part, group, transport)  # [rank 0's part; rank 1's part]
     own = torch.mm(x2d[rank * n : (rank + 1) * n], weight.t())
     wait()
     own += received[peer * n : (peer + 1) * n]  # the peer's partial sum of this rank's rows
@@ -122,10 +130,10 @@ class _RowSequenceOverlap(torch.autograd.Function):
     """Row-parallel y [s/tp, b, out] = reduce-scatter(x W^T) from x [s, b, in/tp]."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, fuse):
+    def forward(ctx, x, weight, group, fuse, transport):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.fuse = group, fuse
-        return linear_reduce_scatter(x, weight, group)
+        ctx.group, ctx.fuse, ctx.transport = group, fuse, transport
+        return linear_reduce_scatter(x, weight, group, transport)
 
     @staticmethod
     def backward(ctx, g):
@@ -133,7 +141,7 @@ class _RowSequenceOverlap(torch.autograd.Function):
         group = ctx.group
         tp, rank = group_size(group), group_rank(group)
         g = g.contiguous()  # [s/tp, b, out]
-        g_full, wait = _all_gather_start(g, group)  # [s, b, out]
+        g_full, wait = _all_gather_start(g, group, ctx.transport)  # [s, b, out]
         n = g.numel() // g.shape[-1]
         own = slice(rank * n, (rank + 1) * n)
         others = (slice(0, rank * n), slice((rank + 1) * n, tp * n))
@@ -154,9 +162,9 @@ class _RowSequenceOverlap(torch.autograd.Function):
             if grad_w is not None and rows.stop > rows.start:
                 part = weight_grad(weight, gf2d[rows], x2d[rows], ctx.fuse)
                 grad_w = grad_w if ctx.fuse else grad_w + part  # fused: added to main_grad
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
-def row_parallel_overlap(x, weight, group, fuse: bool) -> torch.Tensor:
+def row_parallel_overlap(x, weight, group, fuse: bool, transport: str) -> torch.Tensor:
     """The row-parallel layer's GEMM and reduce-scatter under sequence parallelism, overlapped."""
-    return _RowSequenceOverlap.apply(x, weight, group, fuse)
+    return _RowSequenceOverlap.apply(x, weight, group, fuse, transport)
