@@ -21,7 +21,10 @@ transports (--tp-comm-overlap-transport):
                   delays the collective beside it
     copy-engine   the copy engines, through torch's symmetric memory (the all-gathers; at
                   tp = 2 also the reduce-scatters, as an all-gather of the peer's rows), so
-                  the GEMMs keep every multiprocessor (BENCHMARKS.md, sixth session)
+                  the GEMMs keep every multiprocessor (BENCHMARKS.md, sixth session). It
+                  uses torch's private op symm_mem._low_contention_all_gather, whose output
+                  lives on the compute stream; torch's reduce-scatter op of the same family
+                  returns memory of its side stream and gave wrong results under a graph
 
 Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
 Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.py).
