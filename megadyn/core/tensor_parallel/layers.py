@@ -33,7 +33,6 @@ from megadyn.core.tensor_parallel.mappings import (
     group_rank,
     group_size,
     reduce_from_region,
-    reduce_scatter_sequence,
     reduce_scatter_to_sequence,
 )
 from megadyn.core.tensor_parallel.sp_overlap import (
@@ -83,11 +82,8 @@ class _LinearAsyncReduce(torch.autograd.Function):
         grad_x, wait, finish = None, None, None
         if ctx.needs_input_grad[0]:
             grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
-            if ctx.gather_input and ctx.overlap:  # finish() returns the reduced grad_x
-                finish = reduce_scatter_start(grad_x, ctx.group, ctx.overlap)
-            elif ctx.gather_input:
-                grad_x, handle = reduce_scatter_sequence(grad_x, ctx.group, async_op=True)
-                wait = handle.wait if handle is not None else None
+            if ctx.gather_input:  # finish() returns the reduced grad_x
+                finish = reduce_scatter_start(grad_x, ctx.group, ctx.overlap or "nccl")
             elif group_size(ctx.group) > 1:
                 wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
         g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
