@@ -44,8 +44,12 @@ def config_for_world(
     """The command line's config for `world` processes, its layout replanned when a restart
     came back with a world it does not fit; raises ConfigError naming the flag otherwise."""
     cfg = parse_config(argv, world)
-    if cfg.training.enable_cuda_graph and device_type != "cuda":
-        raise ConfigError(f"--enable-cuda-graph needs CUDA devices (this run is on {device_type})")
+    for needs_cuda, flag in (
+        (cfg.training.enable_cuda_graph, "--enable-cuda-graph"),
+        (cfg.model.comm_overlap == "copy-engine", "--tp-comm-overlap-transport copy-engine"),
+    ):
+        if needs_cuda and device_type != "cuda":
+            raise ConfigError(f"{flag} needs CUDA devices (this run is on {device_type})")
     try:
         validate(cfg, world)
         return cfg

@@ -278,3 +278,14 @@ def test_cuda_graph_needs_cuda_and_a_replanned_pipeline_turns_it_off():
     cfg = config_for_world(argv, 8, restarted=False, device_type="cuda")
     assert with_layout(cfg, Layout(tp=2, dp=4)).training.enable_cuda_graph
     assert not with_layout(cfg, Layout(tp=2, pp=2, dp=2)).training.enable_cuda_graph
+
+
+def test_the_copy_engine_transport_needs_cuda():
+    from megadyn.training.replan import config_for_world
+
+    flags = "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
+    argv = shlex.split(f"{BASE} {flags} --tp-comm-overlap-transport copy-engine")
+    with pytest.raises(ConfigError, match="^--tp-comm-overlap-transport copy-engine needs CUDA"):
+        config_for_world(argv, 8, restarted=False, device_type="cpu")
+    cfg = config_for_world(argv, 8, restarted=False, device_type="cuda")
+    assert cfg.model.comm_overlap == "copy-engine"
