@@ -93,7 +93,13 @@ def reduce_scatter_start(x: torch.Tensor, group, transport: str):
     if group_size(group) == 2 and _copy_engine(x, transport):
         return _reduce_scatter_by_gather(x, group, transport)
     out, work = reduce_scatter_sequence(x, group, async_op=True)
-    return lambda: out if work is None else (work.wait(), out)[1]
+
+    def finish():
+        if work is not None:
+            work.wait()
+        return out
+
+    return finish
 
 
 def all_gather_linear(x, weight, bias, group, transport: str) -> tuple[torch.Tensor, torch.Tensor]:
