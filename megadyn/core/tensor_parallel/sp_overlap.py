@@ -22,8 +22,8 @@ transports (--tp-comm-overlap-transport):
     copy-engine   the copy engines, through torch's symmetric memory (the all-gathers; at
                   tp = 2 also the reduce-scatters, as an all-gather of the peer's rows), so
                   the GEMMs keep every multiprocessor (BENCHMARKS.md, sixth session). It
-                  uses torch's private op symm_mem._low_contention_all_gather, whose output
-                  lives on the compute stream; torch's reduce-scatter op of the same family
+                  uses torch's symmetric-memory workspace and barriers (private API) in
+                  _copy_engine_all_gather; torch's reduce-scatter op of that family
                   returns memory of its side stream and gave wrong results under a graph
 
 Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
@@ -62,12 +62,44 @@ def _copy_engine(x: torch.Tensor, transport: str) -> bool:
     return True
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_engine_all_gather(x: torch.Tensor, group):
+    """All-gather through the copy engines, the entry barrier on the compute stream.
+
+    torch's low-contention all-gather puts both its barriers (small kernels) on its side
+    stream, where the entry barrier can wait for a GEMM that holds every multiprocessor, so the
+    copies start only after the GEMM they were meant to run beside. Here the entry barrier runs
+    on the compute stream before that GEMM is queued; the peer copies (copy engines, no
+    multiprocessors) then run beside it, and the exit barrier (no rank writes its workspace
+    while a peer still reads it) waits on the side stream. `wait` must come before this
+    group's next all-gather."""
+    from torch.distributed._symmetric_memory import get_symm_mem_workspace
+
+    hdl = get_symm_mem_workspace(group.group_name, x.numel() * x.element_size())
+    rank, world = hdl.rank, hdl.world_size
+    out = x.new_empty((world * x.shape[0],) + x.shape[1:])
+    chunks = out.chunk(world)
+    hdl.get_buffer(rank, x.shape, x.dtype).copy_(x)
+    hdl.barrier()
+    compute = torch.cuda.current_stream(x.device)
+    side = _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        chunks[rank].copy_(x)
+        for peer in range(world):
+            if peer != rank:
+                chunks[peer].copy_(hdl.get_buffer(peer, x.shape, x.dtype))
+        hdl.barrier()
+    return out, lambda: compute.wait_stream(side)
+
+
 def _all_gather_start(x: torch.Tensor, group, transport: str):
     """Start gathering x [n, ...] from every rank into [tp * n, ...]; (output, wait)."""
     x = x.contiguous()
     if _copy_engine(x, transport):
-        out = torch.ops.symm_mem._low_contention_all_gather(x, group.group_name)
-        return out, lambda: torch.ops._c10d_functional.wait_tensor(out)
+        return _copy_engine_all_gather(x, group)
     out = x.new_empty((group_size(group) * x.shape[0],) + x.shape[1:])
     work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
     return out, work.wait
