@@ -26,6 +26,7 @@ ROWS=(  # name nproc args frameworks [env] (Megatron-Core's local spec refuses s
   "tp2:graph|2|--tp 2 --cuda-graph|megadyn"
   "tp2:sp_graph|2|--tp 2 --sp --cuda-graph|megadyn"
   "tp2:sp_overlap_graph|2|--tp 2 --sp --tp-comm-overlap --cuda-graph|megadyn"
+  "tp2:sp_overlap_ce|2|--tp 2 --sp --tp-comm-overlap --tp-comm-overlap-transport copy-engine|megadyn"
   "tp2:sp_overlap_ce_graph|2|--tp 2 --sp --tp-comm-overlap --tp-comm-overlap-transport copy-engine --cuda-graph|megadyn"
   "dp4:graph|4|--gbs 32 --cuda-graph|megadyn"
 )
