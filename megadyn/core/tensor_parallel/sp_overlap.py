@@ -63,6 +63,24 @@ def _copy_engine(x: torch.Tensor, transport: str) -> bool:
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+# group name -> (workspace handle, bytes asked so far, {(shape, dtype): every rank's buffer})
+_workspaces: dict[str, tuple] = {}
+
+
+def _workspace_buffers(x: torch.Tensor, group):
+    """(handle, every rank's workspace buffer shaped like x) of the group's symmetric-memory
+    workspace, kept between calls: an eager step makes some 1,500 all-gathers."""
+    from torch.distributed._symmetric_memory import get_symm_mem_workspace
+
+    nbytes = x.numel() * x.element_size()
+    hdl, size, buffers = _workspaces.get(group.group_name, (None, 0, None))
+    if nbytes > size:  # a larger workspace replaces the old one, and its buffers
+        hdl, size, buffers = get_symm_mem_workspace(group.group_name, nbytes), nbytes, {}
+        _workspaces[group.group_name] = (hdl, size, buffers)
+    key = (tuple(x.shape), x.dtype)
+    if key not in buffers:
+        buffers[key] = [hdl.get_buffer(r, x.shape, x.dtype) for r in range(hdl.world_size)]
+    return hdl, buffers[key]
 
 
 def _copy_engine_all_gather(x: torch.Tensor, group):
@@ -75,22 +93,22 @@ def _copy_engine_all_gather(x: torch.Tensor, group):
     multiprocessors) then run beside it, and the exit barrier (no rank writes its workspace
     while a peer still reads it) waits on the side stream. `wait` must come before this
     group's next all-gather."""
-    from torch.distributed._symmetric_memory import get_symm_mem_workspace
-
-    hdl = get_symm_mem_workspace(group.group_name, x.numel() * x.element_size())
-    rank, world = hdl.rank, hdl.world_size
-    out = x.new_empty((world * x.shape[0],) + x.shape[1:])
-    chunks = out.chunk(world)
-    hdl.get_buffer(rank, x.shape, x.dtype).copy_(x)
+    hdl, bufs = _workspace_buffers(x, group)
+    rank = hdl.rank
+    out = x.new_empty((len(bufs) * x.shape[0],) + x.shape[1:])
+    chunks = out.chunk(len(bufs))
+    bufs[rank].copy_(x)
     hdl.barrier()
     compute = torch.cuda.current_stream(x.device)
-    side = _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
+    side = _side_streams.get(x.device)
+    if side is None:
+        side = _side_streams[x.device] = torch.cuda.Stream(x.device)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
         chunks[rank].copy_(x)
-        for peer in range(world):
+        for peer, buf in enumerate(bufs):
             if peer != rank:
-                chunks[peer].copy_(hdl.get_buffer(peer, x.shape, x.dtype))
+                chunks[peer].copy_(buf)
         hdl.barrier()
     return out, lambda: compute.wait_stream(side)
 
