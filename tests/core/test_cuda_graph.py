@@ -160,34 +160,63 @@ def test_what_a_graph_cannot_capture_is_refused():
         MicroBatchGraph(warmup_steps=0)
 
 
+def compare(worst, name, got, want, loss_tol, grad_tol):
+    """Record and check the worst relative errors of `got`'s losses and gradients."""
+    loss = max(rel_error(a, b) for a, b in zip(got[0], want[0]))
+    grad = max(rel_error(got[1][n], g) for n, g in want[1].items())
+    worst[name] = (loss, grad)
+    assert loss <= loss_tol and grad <= grad_tol, (name, loss, grad)
+
+
+def graph_vs_eager(worst, layout, world, overlap):
+    """The eager run of `layout` (with --tp-comm-overlap's `overlap` transport), checked
+    against the same run under a CUDA graph."""
+    args = (layout, world, 5, 4)
+    eager = train(*args, None, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
+    graph = MicroBatchGraph(warmup_steps=2)
+    graphed = train(*args, graph, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
+    assert graph.captures == 1
+    name = f"{layout}{f' --tp-comm-overlap ({overlap})' if overlap else ''}"
+    compare(worst, f"graph vs eager, {name}", graphed, eager, 1e-3, 1e-2)
+    return eager
+
+
 def gpu_body(rank, world):
     torch.cuda.set_device(rank)
-    worst, eager_runs = {}, {}
+    worst = {}
+    graph_vs_eager(worst, Layout(tp=2), world, None)
     sp = Layout(tp=2, sequence_parallel=True)
-    runs = [(Layout(tp=2), None), (sp, None), (sp, "nccl"), (sp, "copy-engine")]
-    for layout, overlap in runs:  # overlap: --tp-comm-overlap's transport
-        args = (layout, world, 5, 4)
-        eager = train(*args, None, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
-        graph = MicroBatchGraph(warmup_steps=2)
-        graphed = train(*args, graph, "cuda", torch.bfloat16, backend="nccl", overlap=overlap)
-        assert graph.captures == 1
-        loss = max(rel_error(a, b) for a, b in zip(graphed[0], eager[0]))
-        grad = max(rel_error(graphed[1][n], g) for n, g in eager[1].items())
-        name = f"{layout}{f' --tp-comm-overlap ({overlap})' if overlap else ''}"
-        worst[f"graph vs eager, {name}"] = (loss, grad)
-        eager_runs[overlap] = eager
-        assert loss <= 1e-3 and grad <= 1e-2, (layout, loss, grad)
-    plain = eager_runs[None]  # the SP run without overlap (the last layout without one)
+    plain = graph_vs_eager(worst, sp, world, None)
     for transport in ("nccl", "copy-engine"):
-        got = eager_runs[transport]
-        loss = max(rel_error(a, b) for a, b in zip(got[0], plain[0]))
-        grad = max(rel_error(got[1][n], g) for n, g in plain[1].items())
-        worst[f"eager --tp-comm-overlap ({transport}) vs eager SP"] = (loss, grad)
-        assert loss <= 1e-2 and grad <= 5e-2, (transport, loss, grad)
+        got = graph_vs_eager(worst, sp, world, transport)
+        compare(worst, f"eager --tp-comm-overlap ({transport}) vs eager SP", got, plain, 1e-2, 5e-2)
+    return worst
+
+
+def gpu4_body(rank, world):
+    """tp 4 (the copy engines gather from three peers) and tp 2 x dp 2 (two tensor-parallel
+    groups, each with its own symmetric-memory workspace)."""
+    torch.cuda.set_device(rank)
+    worst = {}
+    for layout in (
+        Layout(tp=4, sequence_parallel=True),
+        Layout(tp=2, dp=2, sequence_parallel=True),
+    ):
+        plain = train(layout, world, 5, 4, None, "cuda", torch.bfloat16, backend="nccl")
+        got = graph_vs_eager(worst, layout, world, "copy-engine")
+        compare(
+            worst, f"eager {layout} --tp-comm-overlap (copy-engine) vs SP", got, plain, 1e-2, 5e-2
+        )
     return worst
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_graph_matches_eager_on_gpus():
     for layout, (loss, grad) in spawn(gpu_body, world=2, timeout_s=300)[0].items():
+        print(f"{layout}: relative error loss {loss:.1e}, grad {grad:.1e}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_copy_engine_overlap_on_4_gpus():
+    for layout, (loss, grad) in spawn(gpu4_body, world=4, timeout_s=300)[0].items():
         print(f"{layout}: relative error loss {loss:.1e}, grad {grad:.1e}")
