@@ -21,10 +21,12 @@ transports (--tp-comm-overlap-transport):
                   delays the collective beside it
     copy-engine   the copy engines, through torch's symmetric memory (the all-gathers; at
                   tp = 2 also the reduce-scatters, as an all-gather of the peer's rows), so
-                  the GEMMs keep every multiprocessor (BENCHMARKS.md, sixth session). It
-                  uses torch's symmetric-memory workspace and barriers (private API) in
+                  the GEMMs keep every multiprocessor: with graphs, tp 2 + SP runs 5-6%
+                  ahead of tp 2 (BENCHMARKS.md, seventh session). It uses torch's
+                  symmetric-memory workspace and barriers (private API) in
                   _copy_engine_all_gather; torch's reduce-scatter op of that family
-                  returns memory of its side stream and gave wrong results under a graph
+                  returns memory of its side stream and gave wrong results under a graph.
+                  Its host work per transfer is larger than NCCL's: it is for graphed steps
 
 Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
 Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.py).
