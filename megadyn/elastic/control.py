@@ -19,6 +19,7 @@ follows its decisions, so all processes change layout at the same step boundary.
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,7 +35,18 @@ def connect(
     world_size: int | None = None,
     timeout_s: float = 300.0,
 ) -> dist.TCPStore:
-    """The control store: the server on rank 0, clients elsewhere (and in the operator tool)."""
+    """The control store: the server on rank 0, clients elsewhere (and in the operator tool).
+
+    The server refuses torchrun's store port (MASTER_PORT): there torch's TCPStore, finding the
+    port taken, would go on as a client of torchrun's store, whose keys outlive an attempt, so
+    a restarted job would read the decisions of the attempt before it. Any other port it
+    cannot bind raises."""
+    if is_server and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if str(port) == os.environ.get("MASTER_PORT"):
+            raise RuntimeError(
+                f"--elastic-control-port {port} is torchrun's store port (MASTER_PORT): "
+                "pick another port for the control store"
+            )
     return dist.TCPStore(
         host, port, world_size, is_server, timedelta(seconds=timeout_s), wait_for_workers=False
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_module
+import random
 import socket
 import time
 import traceback
@@ -21,11 +22,40 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
+    """A TCP port that nothing listens on, below the kernel's ephemeral range where it has one
+    below it: torchrun and gloo bind port 0 (an ephemeral port) while a test's job runs, and a
+    port the test chose there could be handed to them before the job binds it. A port is
+    handed out once per process."""
+    low, rng = _ephemeral_low(), random.SystemRandom()
+    for _ in range(200 if low > 11000 else 0):  # else no room below it: the kernel's choice
+        port = rng.randrange(10000, low)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _worker(rank, world, port, fn, args, queue, timeout_s):
