@@ -41,12 +41,12 @@ def connect(
     port taken, would go on as a client of torchrun's store, whose keys outlive an attempt, so
     a restarted job would read the decisions of the attempt before it. Any other port it
     cannot bind raises."""
-    if is_server and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        if str(port) == os.environ.get("MASTER_PORT"):
-            raise RuntimeError(
-                f"--elastic-control-port {port} is torchrun's store port (MASTER_PORT): "
-                "pick another port for the control store"
-            )
+    under_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if is_server and under_agent_store and str(port) == os.environ.get("MASTER_PORT"):
+        raise RuntimeError(
+            f"--elastic-control-port {port} is torchrun's store port (MASTER_PORT): "
+            "pick another port for the control store"
+        )
     return dist.TCPStore(
         host, port, world_size, is_server, timedelta(seconds=timeout_s), wait_for_workers=False
     )
