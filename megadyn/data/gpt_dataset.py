@@ -30,7 +30,7 @@ import torch
 
 from megadyn.data.blended_dataset import BlendedDataset, parse_data_path
 from megadyn.data.gpt_indices import INDEX_NAMES, build_gpt_indices, load_or_build
-from megadyn.data.indexed_dataset import IndexedDataset, bin_path, idx_path
+from megadyn.data.indexed_dataset import IndexedDataset, IndexedDatasetError, bin_path, idx_path
 from megadyn.data.mock_dataset import MockGPTDataset, sample_from_window
 
 BLEND_SURPLUS = 0.005  # Megatron builds 0.5% more samples per blended component
@@ -129,8 +129,20 @@ def _default_cache_dir(prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
 
 
+def open_training_data(prefix: str) -> IndexedDataset:
+    """The indexed dataset at `prefix`; one without documents is an error naming it (before
+    the split ranges of an empty dataset could only say that no split has data)."""
+    indexed = IndexedDataset(prefix)
+    if len(indexed) == 0:
+        raise IndexedDatasetError(
+            f"--data-path {prefix}: no documents in {idx_path(prefix)}; preprocess a corpus "
+            "that has some (tools/preprocess_data.py refuses an empty one)"
+        )
+    return indexed
+
+
 def _split_datasets(
-    prefix: str,
+    indexed: IndexedDataset,
     split_weights: list[float],
     seq_length: int,
     seed: int,
@@ -138,8 +150,7 @@ def _split_datasets(
     cache_dir: str | None,
     eod: int,
 ) -> list[GPTDataset | None]:
-    indexed = IndexedDataset(prefix)
-    cache = cache_dir if cache_dir is not None else _default_cache_dir(prefix)
+    cache = cache_dir if cache_dir is not None else _default_cache_dir(indexed.path_prefix)
     out: list[GPTDataset | None] = []
     for (begin, end), size in zip(split_ranges(split_weights, len(indexed)), sizes):
         empty = end <= begin or size <= 0
@@ -177,18 +188,19 @@ def build_gpt_datasets(
         )
     prefixes, weights = parse_data_path(data_path)
     split_weights = parse_split(split)
+    indexed = [open_training_data(p) for p in prefixes]
     if len(prefixes) == 1:
         return tuple(
             _split_datasets(
-                prefixes[0], split_weights, seq_length, seed, num_samples, cache_dir, tokenizer_eod
+                indexed[0], split_weights, seq_length, seed, num_samples, cache_dir, tokenizer_eod
             )
         )
     if weights is None:  # blend in proportion to each prefix's tokens
-        weights = [float(IndexedDataset(p).sequence_lengths.sum(dtype=np.int64)) for p in prefixes]
+        weights = [float(d.sequence_lengths.sum(dtype=np.int64)) for d in indexed]
     weights = [w / sum(weights) for w in weights]
     per_prefix = [
         _split_datasets(
-            prefix,
+            data,
             split_weights,
             seq_length,
             seed,
@@ -196,7 +208,7 @@ def build_gpt_datasets(
             cache_dir,
             tokenizer_eod,
         )
-        for prefix, w in zip(prefixes, weights)
+        for data, w in zip(indexed, weights)
     ]
     out = []
     for i, n in enumerate(num_samples):

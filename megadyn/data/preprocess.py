@@ -6,6 +6,8 @@ directory written by `save_to_disk` (read offline with `load_from_disk`). For ea
 them, with one sequence per document and the token dtype Megatron picks for the vocabulary.
 
 - Documents that tokenize to nothing are skipped and counted (Megatron would write empty ones).
+- An input that gives a key no document at all (an empty file, only empty texts) is an error,
+  as the bad inputs below are: a dataset without documents cannot be trained on.
 - Invalid UTF-8, invalid JSON, a missing key or a non-string value stops the run with an error
   naming the file and line (or row); nothing is left under the output names (all outputs are
   written to temporary names and renamed at the end).
@@ -193,6 +195,7 @@ def preprocess_data(
                 result.input_records += records
                 result.input_bytes += size
                 bar.update(size, result.input_records)
+        _check_some_documents(input_path, result)
     except BaseException:
         for writer in writers.values():
             writer.abort()
@@ -206,6 +209,16 @@ def preprocess_data(
                 "%s: skipped %d empty documents", prefixes[key], result.empty_documents[key]
             )
     return result
+
+
+def _check_some_documents(input_path: str, result: PreprocessResult) -> None:
+    """Refuse an input that gives a key no document: training could not use its dataset."""
+    for key, count in result.documents.items():
+        if count == 0:
+            raise PreprocessError(
+                f"{input_path}: no documents for key {key!r} ({result.input_records} records, "
+                f"{result.empty_documents[key]} of them empty after tokenizing); nothing written"
+            )
 
 
 class _SizedChunks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -147,3 +149,12 @@ def test_mock_samples_are_a_pure_function_of_seed_and_index():
         None, "969,30,1", 64, 11, (10, 2, 0), None, 3, mock=True, vocab_size=1000
     )
     assert test is None and len(train) == 10 and torch.equal(train[4]["tokens"], a[4]["tokens"])
+
+
+def test_dataset_without_documents_is_an_error_naming_its_prefix(tmp_path):
+    empty, full = str(tmp_path / "empty"), str(tmp_path / "full")
+    make_indexed(empty, [])
+    make_indexed(full, [20] * 10)
+    for data_path in ([empty], [full, empty], ["0.5", full, "0.5", empty]):
+        with pytest.raises(ValueError, match=re.escape(empty) + r".*no documents"):
+            build_gpt_datasets(data_path, "949,50,1", 16, 7, (5, 1, 1), None, 0)

@@ -119,3 +119,21 @@ def test_train_tokenizer_cli(tmp_path, corpus_jsonl, monkeypatch):
     runpy.run_path(os.path.join(TOOLS, "train_tokenizer.py"), run_name="__main__")
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=prefix + ".model")
     assert tokenizer.detokenize(tokenizer.tokenize("Document 5. café")) == "Document 5. café"
+
+
+@pytest.mark.parametrize("lines", [[], [b""], [b'{"text": ""}', b'{"text": ""}']])
+def test_input_without_documents_fails_and_writes_nothing(tmp_path, sp_model, lines, monkeypatch):
+    source = tmp_path / "empty.jsonl"
+    source.write_bytes(b"".join(line + b"\n" for line in lines))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(PreprocessError, match=re.escape(str(source)) + r": no documents"):
+        _run(source, out / "x", sp_model)
+    assert listdir(out) == []
+    argv = ["preprocess_data.py", "--input", str(source), "--output-prefix", str(out / "x")]
+    argv += ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model]
+    monkeypatch.setattr(sys, "argv", argv + ["--no-progress"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(os.path.join(TOOLS, "preprocess_data.py"), run_name="__main__")
+    assert exit_info.value.code != 0 and str(source) in str(exit_info.value.code)
+    assert listdir(out) == []
