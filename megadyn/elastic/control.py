@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -120,11 +121,11 @@ class ControlChannel:
         """Reconfiguration `n` (published before the decision that names it)."""
         return _get_json(self.store, f"epoch/{n}")
 
-    def wait_epoch(self, n: int, poll_s: float = 60.0) -> dict:
-        """Block, for as long as it takes, until reconfiguration `n` is published."""
-        while True:
-            try:
-                self.store.wait([f"epoch/{n}"], timedelta(seconds=poll_s))
-                return self.epoch(n)
-            except Exception:  # noqa: BLE001 - the store's wait timed out: keep waiting
-                continue
+    def wait_epoch(self, n: int, poll_s: float = 0.01) -> dict:
+        """Block, for as long as it takes, until reconfiguration `n` is published (polled: a
+        store wait that times out prints a warning each time, and a standby process may wait
+        for hours)."""
+        key = f"epoch/{n}"
+        while not self.store.check([key]):
+            time.sleep(poll_s)
+        return self.epoch(n)

@@ -164,10 +164,11 @@ class ElasticController:
         old_layout, new_layout = Layout(**rec["old_layout"]), Layout(**rec["layout"])
         old_members, new_members = rec["old_members"], rec["members"]
         span = sorted(set(old_members) | set(new_members))
-        # the reshard runs over the world group while every process of the job is alive (its
+        # the reshard runs over the world group when every process of the job takes part (its
         # NCCL communicator exists already); else over a group of the old and new members,
-        # which every live process creates (see groups.py)
-        whole_world = len(self.live) == dist.get_world_size()
+        # which every live process creates (see groups.py): processes outside the span (standby
+        # processes sitting the change out) never enter the reshard's collectives
+        whole_world = span == list(range(dist.get_world_size()))
         timeout = self.cfg.parallel.distributed_timeout
         span_group = None if whole_world else dist.new_group(span, timeout=timeout)
         new_groups = ParallelGroups.build(new_layout, new_members, timeout=timeout)

@@ -135,6 +135,42 @@ def operator_tool(rank, world, argv, port):
     return out
 
 
+STANDBY_REQUESTS = [
+    {"action": "layout", "tp": 1, "pp": 2, "members": 4, "at_iteration": 2},  # standby join
+    {"action": "layout", "tp": 2, "pp": 1, "members": 2, "at_iteration": 4},  # back to standby
+    {"action": "layout", "tp": 1, "pp": 2, "at_iteration": 6},  # members only; 2 sit it out
+    {"action": "scale", "members": 4, "at_iteration": 8},  # standby join again
+]
+
+
+def test_standby_processes_sit_out_a_change_among_the_members():
+    # 2 members at tp 2 and 2 standby processes: every change completes, whether the standby
+    # processes join, go back, or take no part; the run trains like an uninterrupted one
+    reference = spawn(run_pretrain, world=1, args=(ARGS,))[0]
+    port = free_port()
+    argv = ARGS + [
+        "--tensor-model-parallel-size",
+        "2",
+        "--elastic-initial-members",
+        "2",
+        "--elastic-layout",
+        "pinned",
+        "--elastic-control-port",
+        str(port),
+    ]
+    results = spawn(elastic_run, world=4, args=(argv, port, STANDBY_REQUESTS), timeout_s=120)
+    losses = {}
+    for r in results:
+        losses.update(r["losses"])
+    assert sorted(losses) == list(range(1, 11))
+    for i, want in enumerate(reference, start=1):
+        assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
+    drawn = Counter(s for r in results for s in r["samples"])
+    assert sorted(drawn) == list(range(80)) and set(drawn.values()) == {1}
+    last = [e["new"] for e in sorted(results[0]["events"], key=lambda e: e["epoch"])]
+    assert last == ["tp1xpp2xdp2", "tp2xpp1xdp1", "tp1xpp2xdp1", "tp1xpp2xdp2"], last
+
+
 def test_operator_tool_refuses_bad_request_and_releases_processes():
     args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
     args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"  # not chaotic
