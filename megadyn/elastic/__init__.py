@@ -6,7 +6,6 @@ new_state = execute_plan(plan, get_local, group=group, device=device)
 """
 
 from megadyn.elastic.description import (
-    DEFAULT_SCALARS,
     DistOpt,
     HeldPiece,
     StateDescription,
@@ -18,7 +17,6 @@ from megadyn.elastic.planner import Plan, PlanError, Transfer, plan_between, pla
 from megadyn.elastic.regions import LocalRegion
 
 __all__ = [
-    "DEFAULT_SCALARS",
     "DistOpt",
     "HeldPiece",
     "LocalRegion",

@@ -28,6 +28,7 @@ from megadyn.elastic.description import DistOpt
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import plan_reshard
+from megadyn.elastic.protocol import ReshardableTrainer
 from megadyn.elastic.requests import resolve_request
 
 
@@ -40,7 +41,7 @@ class Released(Exception):
 
 
 def reconfiguration(
-    trainer,
+    trainer: ReshardableTrainer,
     epoch: int,
     layout: Layout,
     members,
@@ -59,9 +60,7 @@ def reconfiguration(
         "release": list(release),
         "old_layout": dataclasses.asdict(trainer.groups.layout),
         "old_members": list(trainer.groups.grid.members),
-        "state": dataclasses.asdict(trainer.state),
-        "scheduler": trainer.scheduler.state_dict(),
-        "optimizer_step": trainer.optimizer.step_count,
+        "training": trainer.training_state_dict(),
         "vocab_size": trainer.model_cfg.vocab_size,
     }
 
@@ -76,9 +75,10 @@ class ElasticController:
         make_trainer=None,
         print_fn=print,
     ):
-        """`make_trainer(groups, state: dict, step_hook)` builds the trainer of a standby process
-        that joins (weights uninitialized: they arrive through the reshard); the caller above
-        this package provides it (megadyn/training/elastic_runner.py)."""
+        """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
+        `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
+        weights uninitialized: they arrive through the reshard; the caller above this package
+        provides it (megadyn/training/elastic_runner.py)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.epoch = 0
@@ -87,9 +87,9 @@ class ElasticController:
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
 
     # --- members: called after every training step ------------------------------------------
-    def step_hook(self, trainer) -> None:
+    def step_hook(self, trainer: ReshardableTrainer) -> None:
         groups = trainer.groups
-        it = trainer.state.iteration
+        it = trainer.iteration
         interval = max(1, self.cfg.parallel.elastic_control_interval)
         if it % interval:
             return
@@ -110,12 +110,12 @@ class ElasticController:
             return
         self.apply(self.channel.epoch(decision["epoch"]), trainer)
 
-    def _leader_decision(self, trainer):
+    def _leader_decision(self, trainer: ReshardableTrainer):
         pending = self.channel.pending_request(self.channel.handled())
         if pending is None:
             return NONE
         rid, request = pending
-        if trainer.state.iteration < request.get("at_iteration", 0):
+        if trainer.iteration < request.get("at_iteration", 0):
             return NONE
         self.channel.mark_handled(rid)
         groups = trainer.groups
@@ -159,7 +159,7 @@ class ElasticController:
             return None
         t0 = time.perf_counter()
         if trainer is not None:
-            trainer.finish_snapshot()  # a snapshot still being written uses the old groups
+            trainer.quiesce()  # a snapshot still being written uses the old groups
             self._publish_rng(trainer)  # first: planning may build modules that draw random numbers
         old_layout, new_layout = Layout(**rec["old_layout"]), Layout(**rec["layout"])
         old_members, new_members = rec["old_members"], rec["members"]
@@ -181,7 +181,6 @@ class ElasticController:
             new_members,
             old_distopt=distopt_of(self.cfg, old_layout),
             new_distopt=distopt_of(self.cfg, new_layout),
-            scalars={},
         )
         t_plan = time.perf_counter()
         new_state = {}
@@ -199,7 +198,6 @@ class ElasticController:
         t_reshard = time.perf_counter()
         if trainer is not None:
             old_groups = trainer.groups
-            trainer.drop_cuda_graph()
             if rank not in new_members:
                 trainer.release()
             old_groups.destroy()
@@ -214,7 +212,7 @@ class ElasticController:
         event = {
             "event": rec["event"],
             "epoch": self.epoch,
-            "iteration": rec["state"]["iteration"],
+            "iteration": rec["training"]["state"]["iteration"],
             "old": _describe(old_layout),
             "new": _describe(new_layout),
             "plan_s": round(t_plan - t0, 4),
@@ -226,25 +224,23 @@ class ElasticController:
             "max_rank_send_bytes": plan.max_send,
         }
         self.events.append(event)
-        if rank == new_members[-1]:
+        if rank == new_members[-1]:  # one measurement: the log line, W&B and the answer
             self.print(format_event(event), flush=True)
-            trainer.wandb.log_event("reconfiguration", event, step=event["iteration"])
-        if rank == new_members[0] and rec.get("request") is not None:
-            self.channel.answer(rec["request"], {"status": "done", **event})
+            trainer.log_event("reconfiguration", event)
+            if rec.get("request") is not None:
+                self.channel.answer(rec["request"], {"status": "done", **event})
         if rank in rec["release"]:
             raise Released(leave=True)  # asked to exit: torchrun keeps the others running
         if trainer is None:
             raise Released()
         return trainer
 
-    def _rebuild(self, trainer, groups, new_state, rec):
+    def _rebuild(self, trainer, groups, new_state, rec) -> ReshardableTrainer:
         if trainer is None:  # a standby process joins
-            trainer = self.make_trainer(groups, rec["state"], self.step_hook)
-            trainer.scheduler.load_state_dict(rec["scheduler"], strict=False)
+            trainer = self.make_trainer(groups, rec["training"], self.step_hook)
         else:
-            trainer.state = dataclasses.replace(trainer.state, **rec["state"])
-            trainer.build(groups, init_weights=False)
-        trainer.adopt_state(new_state, rec["optimizer_step"])
+            trainer.rebuild(groups, rec["training"])
+        trainer.take(new_state, rec["training"])
         self._restore_rng(trainer, Layout(**rec["old_layout"]))
         return trainer
 
@@ -259,7 +255,7 @@ class ElasticController:
         if self.channel is None or g.dp_rank != 0:
             return
         buf = io.BytesIO()
-        torch.save(rng_states(trainer), buf)
+        torch.save(trainer.rng_states(), buf)
         self.channel.store.set(self._rng_key(g.pp_rank, g.tp_rank), buf.getvalue())
 
     def _restore_rng(self, trainer, old_layout: Layout) -> None:
@@ -267,10 +263,7 @@ class ElasticController:
         if self.channel is None or g.pp_rank >= old_layout.pp or g.tp_rank >= old_layout.tp:
             return
         states = torch.load(io.BytesIO(self.channel.store.get(self._rng_key(g.pp_rank, g.tp_rank))))
-        torch.set_rng_state(states["cpu"])
-        if "cuda" in states and self.device.type == "cuda":
-            torch.cuda.set_rng_state(states["cuda"], self.device)
-        trainer.tracker.set_states(states["tracker"])
+        trainer.set_rng_states(states)
 
     # --- standby processes -------------------------------------------------------------------
     def standby(self):
@@ -294,13 +287,6 @@ class ElasticController:
         """The job is done: tell standby processes to exit."""
         if trainer is not None and dist.get_rank() == trainer.groups.grid.members[0]:
             self.channel.publish_epoch(self.epoch + 1, {"epoch": self.epoch + 1, "event": "finish"})
-
-
-def rng_states(trainer) -> dict:
-    states = {"cpu": torch.get_rng_state(), "tracker": trainer.tracker.get_states()}
-    if trainer.device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(trainer.device)
-    return states
 
 
 def format_event(event: dict) -> str:

@@ -10,7 +10,10 @@ Keys (global names, the same as the checkpoint's, DESIGN section 3):
                                              pieces as the weight (replicated over dp); with it
                                              the flat range of the tp/pp-local piece that
                                              `plan_buckets` gives this dp rank
-    scalar.*                                 small layout-free state, replicated on every member
+    scalar.*                                 small replicated tensors a caller names (`scalars`);
+                                             the job's layout-free scalars (progress, schedule,
+                                             loss scale) travel as megadyn/training/state.py's
+                                             TrainingState instead, one path for every use
 
 Split rules come from `megadyn.models.sharding` only; the bucket layout of the distributed
 optimizer from `plan_buckets` over the chunk's params in module registration order.
@@ -34,15 +37,6 @@ from megadyn.models.sharding import chunk_param_names, param_specs, tp_piece
 
 OPTIM_KEYS = ("main", "exp_avg", "exp_avg_sq")
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
-
-DEFAULT_SCALARS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-    "scalar.train_state": ((4,), torch.int64),  # iteration, consumed samples, skipped, nan
-    "scalar.optimizer_step": ((), torch.int64),
-    "scalar.scheduler_num_steps": ((), torch.int64),
-    "scalar.grad_scaler": ((3,), torch.float64),  # scale, growth, hysteresis trackers
-    "scalar.rng_state": ((5056,), torch.uint8),  # torch.get_rng_state()
-}
-
 
 @dataclass(frozen=True)
 class DistOpt:
@@ -153,9 +147,10 @@ def describe(
     members: Sequence[int],
     *,
     distopt: DistOpt | bool | None = None,
-    scalars: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = DEFAULT_SCALARS,
+    scalars: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> StateDescription:
     """The pieces of every global tensor that each member of `layout` holds."""
+    scalars = scalars or {}
     distopt = DistOpt() if distopt is True else (distopt or None)
     grid = RankGrid(layout, tuple(members))
     specs = param_specs(cfg)

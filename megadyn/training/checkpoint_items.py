@@ -119,7 +119,9 @@ def check_shapes(path: str, items: dict, stored: dict) -> None:
             )
 
 
-def _streams(chunks) -> dict[str, torch.Tensor]:
+def rng_streams(chunks) -> dict[str, torch.Tensor]:
+    """This rank's RNG streams: the default generator's (and CUDA's), and the tensor-parallel
+    tracker's named streams (`tracker.<name>`)."""
     tracker = next((c.tracker for c in chunks if c.tracker is not None), None)
     device = next(chunks[0].parameters()).device
     states = {"default": torch.get_rng_state()}
@@ -130,22 +132,29 @@ def _streams(chunks) -> dict[str, torch.Tensor]:
     return states
 
 
+def set_rng_streams(chunks, states: dict[str, torch.Tensor]) -> None:
+    """Put the streams `rng_streams` gave back (those present in `states`)."""
+    device = next(chunks[0].parameters()).device
+    tracker = next((c.tracker for c in chunks if c.tracker is not None), None)
+    if "default" in states:
+        torch.set_rng_state(states["default"])
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+    named = {k[len("tracker.") :]: v for k, v in states.items() if k.startswith("tracker.")}
+    if tracker is not None and named:
+        tracker.set_states(named)
+
+
+def _prefix(groups) -> str:
+    return f"rng.pp{groups.pp_rank}.tp{groups.tp_rank}."
+
+
 def rng_items(groups, chunks, *, empty: bool = False) -> dict:
-    prefix = f"rng.pp{groups.pp_rank}.tp{groups.tp_rank}."
-    return {prefix + k: (torch.empty_like(v) if empty else v) for k, v in _streams(chunks).items()}
+    """The RNG streams as checkpoint items, under this rank's (pp, tp) coordinates."""
+    streams = rng_streams(chunks)
+    return {_prefix(groups) + k: (torch.empty_like(v) if empty else v) for k, v in streams.items()}
 
 
 def set_rng_items(groups, chunks, items: dict) -> None:
-    prefix = f"rng.pp{groups.pp_rank}.tp{groups.tp_rank}."
-    device = next(chunks[0].parameters()).device
-    tracker = next((c.tracker for c in chunks if c.tracker is not None), None)
-    if prefix + "default" in items:
-        torch.set_rng_state(items[prefix + "default"])
-    if prefix + "cuda" in items and device.type == "cuda":
-        torch.cuda.set_rng_state(items[prefix + "cuda"], device)
-    if tracker is not None:
-        states = {
-            k[len(prefix) + 8 :]: v for k, v in items.items() if k.startswith(prefix + "tracker.")
-        }
-        if states:
-            tracker.set_states(states)
+    prefix = _prefix(groups)
+    set_rng_streams(chunks, {k[len(prefix) :]: v for k, v in items.items() if k.startswith(prefix)})

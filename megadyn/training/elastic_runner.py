@@ -13,7 +13,8 @@ import torch.distributed as dist
 from megadyn.core.groups import ParallelGroups
 from megadyn.elastic.control import ControlChannel, connect
 from megadyn.elastic.controller import ElasticController, Released
-from megadyn.training.trainer import Trainer, TrainState
+from megadyn.training.state import TrainingState
+from megadyn.training.trainer import Trainer
 
 
 def control_channel(cfg) -> ControlChannel:
@@ -41,12 +42,12 @@ def run_elastic(cfg, device, *, watchdog=None, print_fn=print) -> dict:
 
         return hook
 
-    def make_trainer(groups, state: dict, step_hook):
+    def make_trainer(groups, training: dict, step_hook):
         return Trainer(
             cfg,
             groups,
             device,
-            state=TrainState(**state),
+            state=TrainingState.from_dict(training).progress,
             init_weights=False,
             step_hook=with_watchdog(step_hook),
         )

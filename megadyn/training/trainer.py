@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,12 @@ from megadyn.data.sampler import micro_batch_indices
 from megadyn.models import build_gpt_chunks, lm_loss
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
-from megadyn.training.checkpoint_items import rng_items, set_rng_items
+from megadyn.training.checkpoint_items import (
+    rng_items,
+    rng_streams,
+    set_rng_items,
+    set_rng_streams,
+)
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
 from megadyn.training.evaluation import evaluate
@@ -51,17 +56,8 @@ from megadyn.training.metrics import (
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.snapshot_keeper import SnapshotKeeper, resume
+from megadyn.training.state import TrainingState, TrainState
 from megadyn.training.wandb_logger import create_wandb_logger
-
-
-@dataclass
-class TrainState:
-    """Layout-free progress of the run."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
 
 
 def ddp_bucket_size(cfg: MegadynConfig, dp: int) -> int | None:
@@ -181,9 +177,8 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def adopt_state(self, state: dict[str, torch.Tensor], optimizer_step: int) -> None:
+    def adopt_state(self, state: dict[str, torch.Tensor]) -> None:
         """Take weights and optimizer state received from the reshard (after `build`)."""
-        self.optimizer.step_count = optimizer_step
         for chunk in self.chunks:
             for name, param in chunk.named_parameters():
                 param.copy_(state[f"model.{name}"].view(param.shape))
@@ -196,6 +191,62 @@ class Trainer:
                             for k in ("main", "exp_avg", "exp_avg_sq")
                         },
                     )
+
+    # --- layout-free scalars (megadyn/training/state.py) ---------------------------------------
+    def training_state(self) -> TrainingState:
+        """Progress, schedule, optimizer step and loss scaler: what checkpoints, snapshots and
+        live reconfigurations carry beside the tensors."""
+        scaler = self.optimizer.grad_scaler
+        return TrainingState(
+            progress=dataclasses.replace(self.state),
+            scheduler=self.scheduler.state_dict(),
+            optimizer_step=self.optimizer.step_count,
+            grad_scaler=scaler.state_dict() if scaler is not None else None,
+        )
+
+    def load_training_state(
+        self, ts: TrainingState, *, progress: bool = True, optimizer: bool = True
+    ) -> None:
+        """Take `ts` (after `build`): with `progress`, the iteration, data cursor and learning-
+        rate schedule; with `optimizer`, the optimizer's step count and loss scaler."""
+        if progress:
+            self.state = dataclasses.replace(ts.progress)
+            self.scheduler.load_state_dict(ts.scheduler, strict=False)
+            self.train_loader.consumed_samples = self.state.consumed_samples
+        if optimizer:
+            self.optimizer.step_count = ts.optimizer_step
+            scaler = self.optimizer.grad_scaler
+            if scaler is not None and ts.grad_scaler:
+                scaler.load_state_dict(ts.grad_scaler)
+
+    # --- the elastic controller's view (megadyn/elastic/protocol.py) --------------------------
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    def training_state_dict(self) -> dict:
+        return self.training_state().to_dict()
+
+    def rng_states(self) -> dict[str, torch.Tensor]:
+        return rng_streams(self.chunks)
+
+    def set_rng_states(self, states: dict[str, torch.Tensor]) -> None:
+        set_rng_streams(self.chunks, states)
+
+    def quiesce(self) -> None:
+        self.finish_snapshot()
+        self.drop_cuda_graph()
+
+    def rebuild(self, groups, training: dict) -> None:
+        self.state = TrainingState.from_dict(training).progress  # the loaders start there
+        self.build(groups, init_weights=False)
+
+    def take(self, tensors: dict[str, torch.Tensor], training: dict) -> None:
+        self.adopt_state(tensors)
+        self.load_training_state(TrainingState.from_dict(training))
+
+    def log_event(self, name: str, event: dict) -> None:
+        self.wandb.log_event(name, event, step=event["iteration"])
 
     @property
     def samples_drawn(self) -> list[int]:
@@ -274,6 +325,8 @@ class Trainer:
             self.scheduler.step(1)
         else:
             self.state.skipped_iterations += 1
+        if applied and grad_norm is not None and not math.isfinite(grad_norm):
+            self.state.nan_iterations += 1  # every rank sees the same (all-reduced) norm
         self.state.iteration += 1
         self.state.consumed_samples += self.microbatches.global_batch_size(consumed)
         assert self.train_loader.consumed_samples == self.state.consumed_samples, (
@@ -383,15 +436,7 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------------
     def meta(self) -> dict:
         """What a checkpoint records beside the tensors (progress, schedule, arguments)."""
-        return {
-            "state": dataclasses.asdict(self.state),
-            "scheduler": self.scheduler.state_dict(),
-            "optimizer_step": self.optimizer.step_count,
-            "args": dump_args(self.cfg),
-            "grad_scaler": self.optimizer.grad_scaler.state_dict()
-            if getattr(self.optimizer, "grad_scaler", None)
-            else None,
-        }
+        return {**self.training_state().to_dict(), "args": dump_args(self.cfg)}
 
     def save(self) -> None:
         self.finish_saves()
@@ -455,10 +500,11 @@ class Trainer:
         """Put a read checkpoint into the model, optimizer, schedule and data cursor."""
         c = self.cfg.checkpoint
         meta = ckpt.apply_checkpoint(read, self.chunks, self.optimizer, self.groups)
-        if not c.finetune and "state" in meta:
-            self.state = TrainState(**meta["state"])
-            self.scheduler.load_state_dict(meta["scheduler"], strict=False)
-            self.train_loader.consumed_samples = self.state.consumed_samples
+        self.load_training_state(
+            TrainingState.from_dict(meta),
+            progress=not c.finetune and "state" in meta,
+            optimizer=meta["optim_restored"],
+        )
         if self.logs:
             self.print(
                 f" loaded checkpoint {read.path} at iteration {self.state.iteration} "

@@ -72,6 +72,17 @@ def operator(port, requests):
         channel.submit(r)
 
 
+def merged_losses(results, reference, rtol=1e-5) -> dict:
+    """Every rank's losses by iteration, checked against an uninterrupted run's."""
+    losses = {}
+    for r in results:
+        losses.update(r["losses"])
+    assert sorted(losses) == list(range(1, len(reference) + 1))
+    for i, want in enumerate(reference, start=1):
+        assert abs(losses[i] - want) <= rtol * abs(want), (i, losses[i], want)
+    return losses
+
+
 def elastic_run(rank, world, argv, port, requests):
     import pretrain_gpt
 
@@ -92,12 +103,7 @@ def test_four_reconfigurations_match_uninterrupted_run():
         str(port),
     ]
     results = spawn(elastic_run, world=4, args=(argv, port, REQUESTS), timeout_s=120)
-    losses = {}
-    for r in results:
-        losses.update(r["losses"])
-    assert sorted(losses) == list(range(1, 11))
-    for i, want in enumerate(reference, start=1):
-        assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
+    merged_losses(results, reference)
     drawn = Counter(s for r in results for s in r["samples"])
     assert sorted(drawn) == list(range(80)) and set(drawn.values()) == {1}
     events = [e for r in results for e in r["events"]]
@@ -159,12 +165,7 @@ def test_standby_processes_sit_out_a_change_among_the_members():
         str(port),
     ]
     results = spawn(elastic_run, world=4, args=(argv, port, STANDBY_REQUESTS), timeout_s=120)
-    losses = {}
-    for r in results:
-        losses.update(r["losses"])
-    assert sorted(losses) == list(range(1, 11))
-    for i, want in enumerate(reference, start=1):
-        assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
+    merged_losses(results, reference)
     drawn = Counter(s for r in results for s in r["samples"])
     assert sorted(drawn) == list(range(80)) and set(drawn.values()) == {1}
     last = [e["new"] for e in sorted(results[0]["events"], key=lambda e: e["epoch"])]
@@ -212,3 +213,16 @@ def test_rng_streams_move_with_the_state():
     assert len(results[0]["events"]) == 2
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= 1e-6 * abs(want), (i, losses[i], want)
+
+
+def test_fp16_loss_scale_survives_a_live_change():
+    # the dynamic loss scale starts at 2**32, so the first steps overflow and halve it; a live
+    # change must carry the reduced scale: a fresh scaler would overflow (and skip) again
+    fp16 = ARGS + ["--fp16", "--initial-loss-scale", str(2**20), "--hysteresis", "1"]
+    reference = spawn(run_pretrain, world=2, args=(fp16 + ["--tensor-model-parallel-size", "2"],))[1]
+    port = free_port()
+    argv = fp16 + ["--tensor-model-parallel-size", "2", "--elastic-control-port", str(port)]
+    requests = [{"action": "layout", "tp": 1, "pp": 2, "at_iteration": 6}]
+    results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
+    assert len(results[0]["events"]) == 1
+    merged_losses(results, reference)
