@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.load_dir, args.save_dir, model_type=args.model_type, progress=progress
         )
         print(f"saved {args.save_dir} (iteration {result['iteration']}, {result['family']})")
+        print(f"tokenizer: {result['tokenizer'].message}")
     elif route == ("megadyn", "megadyn"):
         result = relayout(args.load_dir, args.save_dir, target, progress=progress)
         print(f"saved {args.save_dir}: loads with {target.flags}")

@@ -5,8 +5,16 @@
     python tools/generate.py --load ckpt/ --prompt-ids "1 2 3" --temperature 0.8 --top-k 40 \
         --top-p 0.95 --seed 7 --json
 
-Without --greedy, tokens are sampled (temperature, then top-k, then top-p). --json prints one
-line per prompt: {"prompt_ids": [...], "ids": [...], "text": ...}.
+Without --greedy, tokens are sampled (temperature, then top-k, then top-p). The output shows
+each prompt and then what the model added to it, under headers:
+
+    ----- prompt 1 of 2 -----
+    def main
+    ----- generated (32 tokens) -----
+    (): ...
+
+(token ids where there is no tokenizer). --json prints one line per prompt instead:
+{"prompt": ..., "prompt_ids": [...], "ids": [...], "text": ...}.
 """
 
 from __future__ import annotations
@@ -55,8 +63,8 @@ def main(argv: list[str] | None = None) -> list[list[int]]:
         )
     if args.prompts and tokenizer is None:
         raise ConversionError("--prompts needs --tokenizer-type (or give --prompt-ids)")
-    prompts = [tokenizer.tokenize(text) for text in args.prompts]
-    prompts += [[int(x) for x in ids.split()] for ids in args.prompt_ids]
+    prompts = [(text, tokenizer.tokenize(text)) for text in args.prompts]
+    prompts += [(ids, [int(x) for x in ids.split()]) for ids in args.prompt_ids]
     if not prompts:
         raise ConversionError("nothing to generate from: give --prompts or --prompt-ids")
     sampling = SamplingConfig(
@@ -69,15 +77,26 @@ def main(argv: list[str] | None = None) -> list[list[int]]:
     model = load_model(args.load)
     stop = tokenizer.eod if (args.stop_at_eod and tokenizer is not None) else None
     outputs = []
-    for prompt in prompts:
+    for number, (shown, prompt) in enumerate(prompts, start=1):
         ids = generate(model, prompt, args.num_tokens_to_generate, sampling, stop)
-        text = tokenizer.detokenize(ids[len(prompt) :]) if tokenizer is not None else None
+        new = ids[len(prompt) :]
+        text = tokenizer.detokenize(new) if tokenizer is not None else None
         if args.json:
-            print(json.dumps({"prompt_ids": prompt, "ids": ids[len(prompt) :], "text": text}))
+            print(json.dumps({"prompt": shown, "prompt_ids": prompt, "ids": new, "text": text}))
         else:
-            print(text if text is not None else " ".join(map(str, ids[len(prompt) :])))
+            print_sample(number, len(prompts), shown, new, text)
         outputs.append(ids)
     return outputs
+
+
+def print_sample(number: int, count: int, prompt: str, new: list[int], text: str | None) -> None:
+    """One prompt and its continuation under headers (a blank line before all but the first)."""
+    if number > 1:
+        print()
+    print(f"----- prompt {number} of {count} -----")
+    print(prompt)
+    print(f"----- generated ({len(new)} tokens) -----")
+    print(text if text is not None else " ".join(map(str, new)), flush=True)
 
 
 if __name__ == "__main__":

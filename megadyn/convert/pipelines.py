@@ -23,6 +23,7 @@ from tqdm import tqdm
 from megadyn.convert.errors import ConversionError
 from megadyn.convert.hf_configs import config_from_hf, config_to_hf, family_of, hf_family
 from megadyn.convert.hf_files import HFDirectory, read_json, write_hf_directory
+from megadyn.convert.hf_tokenizer import export_tokenizer, recorded_tokenizer
 from megadyn.convert.hf_weights import (
     canonical_hf_name,
     expected_hf_shapes,
@@ -44,7 +45,6 @@ from megadyn.training.config import DataConfig
 
 ARCH_NAMES = {"GPT": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _check_model_type(model_type: str | None, family: str, source: str) -> None:
@@ -139,27 +139,9 @@ def _special_tokens(meta: dict[str, Any], cfg: GPTConfig) -> dict[str, int | Non
     hf = (meta.get("converted_from") or {}).get("hf_config")
     if hf is not None:
         return {k: hf.get(k) for k in SPECIAL_TOKENS}
-    args = meta.get("args") or {}
-    eod = None
-    try:
-        from megadyn.data import build_tokenizer
-
-        kinds = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
-        tokenizer = build_tokenizer(**{k: args.get(f"data.{k}") for k in kinds})
-        eod = int(tokenizer.eod) if tokenizer.vocab_size == cfg.vocab_size else None
-    except Exception:  # noqa: BLE001 - tokenizer files gone or unknown: leave the ids unset
-        eod = None
+    tokenizer, _ = recorded_tokenizer(meta.get("args") or {}, cfg.vocab_size)
+    eod = int(tokenizer.eod) if tokenizer is not None else None
     return {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": None}
-
-
-def _copy_hf_tokenizer(args: dict[str, Any], out: str) -> None:
-    directory = args.get("data.tokenizer_model")
-    if args.get("data.tokenizer_type") != "HuggingFaceTokenizer" or not directory:
-        return
-    if os.path.isdir(directory):
-        for name in HF_TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(directory, name)):
-                shutil.copy2(os.path.join(directory, name), os.path.join(out, name))
 
 
 def export_hf(
@@ -180,8 +162,8 @@ def export_hf(
     generation = {k: v for k, v in special.items() if v is not None} or None
     with atomic_directory(save_dir, "--save-dir") as tmp:
         write_hf_directory(tmp, config, tensors, generation)
-        _copy_hf_tokenizer(ckpt.meta.get("args") or {}, tmp)
-    return dict(cfg=ckpt.cfg, family=family, iteration=ckpt.iteration)
+        written = export_tokenizer(ckpt.meta.get("args") or {}, ckpt.cfg.vocab_size, tmp)
+    return dict(cfg=ckpt.cfg, family=family, iteration=ckpt.iteration, tokenizer=written)
 
 
 def relayout(load_dir: str, save_dir: str, target: Target, progress: bool = False) -> dict:

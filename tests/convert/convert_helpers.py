@@ -98,3 +98,31 @@ def train(world: int, argv: list[str]) -> list[float]:
         sys.path.insert(0, REPO)
     results = spawn(run_pretrain, world=world, args=(list(argv),))
     return next(r for r in reversed(results) if r)
+
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Megatron writes an index file and a binary file for every dataset.",
+    "Numbers like 1234 and 56.78 are split into digits; symbols like {} and <> stay.",
+    "Unicode text: café, naïve, Zürich, 東京, emoji 🙂.",
+]
+"""Training text of the tiny SentencePiece models, and texts their tokenizers are checked on."""
+
+
+def sentencepiece_model(directory: str, vocab_size: int = 400) -> str:
+    """A tiny byte-fallback BPE SentencePiece model (megadyn's train_sentencepiece defaults)."""
+    from megadyn.data.sp_train import train_sentencepiece
+
+    corpus = os.path.join(directory, "corpus.txt")
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.write("\n".join(TEXTS * 20) + "\n")
+    return train_sentencepiece([corpus], os.path.join(directory, "spm"), vocab_size=vocab_size)
+
+
+def with_tokenizer(argv: list[str], *tokenizer: str) -> list[str]:
+    """`argv` (TRAIN-like) with its NullTokenizer flags replaced by `tokenizer`."""
+    out = list(argv)
+    for flag in ("--tokenizer-type", "--vocab-size"):
+        i = out.index(flag)
+        del out[i : i + 2]
+    return out + list(tokenizer)
