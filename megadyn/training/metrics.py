@@ -3,7 +3,7 @@
     flops = model_flops_per_iteration(cfg.model, batch_size=gbs, seq_length=s, tp=tp)
     tflops_per_gpu = flops / (seconds_per_iteration * 1e12 * world_size)
     stats = IterationStats(iteration=10, train_iters=100, ..., tflops_per_gpu=tflops_per_gpu)
-    print(format_iteration_line(stats))       # on the last rank, as Megatron's print_rank_last
+    print(format_iteration_line(stats, log_throughput=cfg.logging.log_throughput))  # last rank
     wandb_logger.log(wandb_metrics(stats), step=10)
 
 FLOPs count matrix multiplications only, forward and backward (x3), two FLOPs per
@@ -68,7 +68,7 @@ class IterationStats:
     nan_iterations: int = 0
     """Iterations with a NaN loss."""
     tflops_per_gpu: float | None = None
-    """Model TFLOP/s per GPU (printed with --log-throughput)."""
+    """Model TFLOP/s per GPU (in the log line with --log-throughput; MFU is derived from it)."""
     tokens_per_sec: float | None = None
     """Tokens per second, whole job."""
     mfu: float | None = None
@@ -77,14 +77,20 @@ class IterationStats:
     """Peak allocated accelerator memory, GiB."""
 
 
-def format_iteration_line(stats: IterationStats, now: datetime | None = None) -> str:
-    """Megatron's training_log line, then megadyn's tokens/s, MFU and peak memory."""
+def format_iteration_line(
+    stats: IterationStats, now: datetime | None = None, log_throughput: bool = False
+) -> str:
+    """Megatron's training_log line, then megadyn's tokens/s, MFU and peak memory.
+
+    As in Megatron, the "throughput per GPU (TFLOP/s/GPU)" field is there only with
+    `log_throughput` (--log-throughput); tokens/s and MFU are always there.
+    """
     st = stats
     line = f" [{(now or datetime.now()).strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {st.iteration:8d}/{st.train_iters:8d} |"
     line += f" consumed samples: {st.consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {st.elapsed_ms:.1f} |"
-    if st.tflops_per_gpu is not None:
+    if log_throughput and st.tflops_per_gpu is not None:
         line += f" throughput per GPU (TFLOP/s/GPU): {st.tflops_per_gpu:.1f} |"
     line += f" learning rate: {st.learning_rate:.6E} |"
     line += f" global batch size: {st.global_batch_size:5d} |"

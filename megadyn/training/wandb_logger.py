@@ -7,8 +7,9 @@
 
 Without WANDB_API_KEY the run is written offline (under <dir>/wandb/offline-run-*, upload later
 with `wandb sync`); wandb never prompts for a login. WANDB_MODE, when set, is respected
-(e.g. 'disabled'). `read_offline_history` reads the logged points back from a run's `.wandb`
-file, for tests and for tools.
+(e.g. 'disabled'). When the run starts, the logging rank prints one line with its mode, project
+and run directory (` W&B: offline run, project p, run dir ...`). `read_offline_history` and `read_offline_config`
+read the logged points and the run config back from a run's `.wandb` file, for tests and tools.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,20 @@ class WandbLogger(NullWandbLogger):
             settings=wandb.Settings(silent=True, console="off"),
         )
         self._step = 0
+        self.mode = mode
+        self.project = project
         self.run_dir = Path(self._run.dir).parent  # .../wandb/<offline-run-...>
+
+    def describe(self) -> str:
+        """The console line that says W&B is on: mode, project, run directory (and how to upload
+        an offline run, or where an online one is)."""
+        if self.mode == "disabled":
+            return f" W&B: disabled (WANDB_MODE=disabled), project {self.project}, nothing logged"
+        line = f" W&B: {self.mode} run, project {self.project}, run dir {self.run_dir}"
+        if self.mode == "offline":
+            return line + f" (upload with: wandb sync {self.run_dir})"
+        url = getattr(self._run, "url", None)
+        return line + (f", {url}" if url else "")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record `metrics` at iteration `step` (steps must not go backwards)."""
@@ -92,24 +107,33 @@ class WandbLogger(NullWandbLogger):
 
 
 def create_wandb_logger(
-    cfg: MegadynConfig, rank: int, world_size: int, mode: str | None = None
+    cfg: MegadynConfig,
+    rank: int,
+    world_size: int,
+    mode: str | None = None,
+    print_fn: Callable[..., Any] = print,
 ) -> NullWandbLogger:
-    """A WandbLogger on the last rank when --wandb-project is given, else a no-op logger."""
+    """A WandbLogger on the last rank when --wandb-project is given, else a no-op logger.
+
+    The run's config is `cfg` as given: pass the job's config after the tokenizer has set the
+    model's vocabulary. The logging rank says on the console (`print_fn`) that W&B is on.
+    """
     log = cfg.logging
     if not log.wandb_project or rank != world_size - 1:
         return NullWandbLogger()
     save_dir = log.wandb_save_dir
     if not save_dir and cfg.checkpoint.save:
         save_dir = os.path.join(cfg.checkpoint.save, "wandb")
-    return WandbLogger(log.wandb_project, log.wandb_exp_name, save_dir, dump_args(cfg), mode)
+    logger = WandbLogger(log.wandb_project, log.wandb_exp_name, save_dir, dump_args(cfg), mode)
+    print_fn(logger.describe(), flush=True)
+    return logger
 
 
-def read_offline_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The history rows ({'_step': 1, 'lm loss': 2.3, ...}) of a run's `run-*.wandb` file.
+def _offline_records(run_dir: str | Path):
+    """The serialized `wandb_internal_pb2.Record`s of a run's `run-*.wandb` file, in order.
 
     The file is a W&B header (':W&B', magic, version: 7 bytes) followed by LevelDB-log records
-    in 32 KiB blocks (crc32 4 bytes, length 2, type 1: full/first/middle/last), each a
-    serialized `wandb_internal_pb2.Record`.
+    in 32 KiB blocks (crc32 4 bytes, length 2, type 1: full/first/middle/last).
     """
     from wandb.proto import wandb_internal_pb2
 
@@ -117,7 +141,7 @@ def read_offline_history(run_dir: str | Path) -> list[dict[str, Any]]:
     data = path.read_bytes()
     if data[:4] != b":W&B":
         raise ValueError(f"{path} is not a W&B transaction log")
-    rows, payload, pos, block = [], b"", 7, 32768
+    payload, pos, block = b"", 7, 32768
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer too short for a header: zero padding
             pos += block - pos % block
@@ -130,11 +154,29 @@ def read_offline_history(run_dir: str | Path) -> list[dict[str, Any]]:
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(payload)
-            if record.WhichOneof("record_type") == "history":
-                rows.append(
-                    {
-                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                        for item in record.history.item
-                    }
-                )
-    return rows
+            yield record
+
+
+def _items(items) -> dict[str, Any]:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def read_offline_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The history rows ({'_step': 1, 'lm loss': 2.3, ...}) of a run's `run-*.wandb` file."""
+    return [
+        _items(r.history.item)
+        for r in _offline_records(run_dir)
+        if r.WhichOneof("record_type") == "history"
+    ]
+
+
+def read_offline_config(run_dir: str | Path) -> dict[str, Any]:
+    """The run config ({'model.vocab_size': 61, ...}) of a run's `run-*.wandb` file."""
+    config: dict[str, Any] = {}
+    for record in _offline_records(run_dir):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            config.update(_items(record.run.config.update))
+        elif kind == "config":
+            config.update(_items(record.config.update))
+    return config

@@ -1,8 +1,12 @@
-"""Flat-tensor collectives used by the gradient buffers and the distributed optimizer.
+"""Collectives over dim 0 of a tensor, for every caller in megadyn: the gradient buffers and the
+distributed optimizer (1-D buffers), the tensor- and sequence-parallel gathers and scatters
+([s, b, h] activations) and the pipeline's split sends.
 
 torch renamed `all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single` /
-`reduce_scatter_single` (2.13 warns on the old names); these wrappers pick whichever exists so
-the same code runs on every torch the project supports. All of them take the group explicitly.
+`reduce_scatter_single` (2.13 warns on the old names, on every rank, again after each
+checkpoint's `warnings.catch_warnings`); these wrappers pick whichever exists so the same code
+runs on every torch the project supports. Call them, never the torch names. All of them take
+the group explicitly.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
-    """Gather equal 1-D `shard`s of every rank of `group` into `output` (rank order).
+    """Gather the equal `shard`s [n, ...] of every rank of `group` into `output`, rank after
+    rank along dim 0 ([world * n, ...], or stacked [world, n, ...]).
 
     `shard` may be the view of `output` that this rank owns (in-place gather).
     """
@@ -25,7 +30,8 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
 def reduce_scatter_flat(
     shard: torch.Tensor, data: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False
 ):
-    """Reduce 1-D `data` over `group`; this rank receives its equal part into `shard`.
+    """Reduce `data` [world * n, ...] over `group`; this rank receives its part [n, ...] of dim
+    0 into `shard`.
 
     `shard` may be the view of `data` that this rank owns (in-place reduce-scatter).
     """
