@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.training import fork_server, startup
+from megadyn.training import errors, fork_server, startup
 from megadyn.training.arguments import distributed_timeout
-from megadyn.training.config import ConfigError
 from megadyn.training.distributed_init import init_distributed, restart_count
 from megadyn.training.replan import config_for_world
 from megadyn.training.trainer import Trainer
@@ -46,19 +45,13 @@ def main(argv: list[str] | None = None):
         argv.remove("--default-job")
         argv = default_job_argv(argv, world, device.type == "cuda")
     restart = restart_count()
-    try:
-        cfg = config_for_world(
-            argv,
-            world,
-            restarted=bool(restart),
-            device_type=device.type,
-            print_fn=print if dist.get_rank() == 0 else None,
-        )
-    except ConfigError as e:
-        if dist.get_rank() == 0:
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        sys.exit(2)
+    cfg = config_for_world(  # a ConfigError ends the job with its message (errors.py)
+        argv,
+        world,
+        restarted=bool(restart),
+        device_type=device.type,
+        print_fn=print if dist.get_rank() == 0 else None,
+    )
     if cfg.parallel.elastic_fork_server and fork_server.FORKED not in os.environ:
         # this host had none ready: for the workers of later attempts
         if fork_server.start(__file__) and dist.get_rank() == 0:
@@ -109,4 +102,4 @@ def train(cfg, device, watchdog: Watchdog | None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(errors.run_reported(main))  # one message per failure; MEGADYN_DEBUG=1 for tracebacks

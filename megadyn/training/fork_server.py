@@ -140,19 +140,10 @@ def _run_child(request: dict, fds: list[int], main) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
-    from megadyn.training import startup
+    from megadyn.training import errors, startup
 
     startup.restarted_from(request["started"])
-    code = 0
-    try:
-        main(request["argv"])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
+    code = errors.run_reported(main, request["argv"])  # as pretrain_gpt.py's own __main__
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
