@@ -28,6 +28,7 @@ from megadyn.core.recompute import RecomputeConfig
 from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
 from megadyn.elastic.requests import validate_for
 from megadyn.models.config import GPTConfig
+from megadyn.training.checkpoint import checkpoint_at_step
 from megadyn.training.config import (
     LR_DECAY_STYLES,
     WD_INCR_STYLES,
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     s("--start-weight-decay", type=float)
     s("--end-weight-decay", type=float)
     s("--weight-decay-incr-style", choices=WD_INCR_STYLES)
+    s("--override-opt_param-scheduler", action="store_true")
+    s("--use-checkpoint-opt_param-scheduler", action="store_true")
 
     d = _Group(p, "data and tokenizer", "data", DataConfig)
     d("--data-path", nargs="*")
@@ -212,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     c("--no-load-optim", action="store_true")
     c("--no-load-rng", action="store_true")
     c("--finetune", action="store_true")
+    c("--ckpt-step", type=int)
 
     lg = _Group(p, "logging", "logging", LoggingConfig)
     lg("--log-interval", type=int)
@@ -313,9 +317,17 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
         optimizer=optimizer,
         scheduler=SchedulerConfig(**_section(values, "scheduler")),
         data=data,
-        checkpoint=CheckpointConfig(**_section(values, "checkpoint")),
+        checkpoint=_checkpoint(values),
         logging=LoggingConfig(**logging),
     )
+
+
+def _checkpoint(values: dict[str, Any]) -> CheckpointConfig:
+    """--load with --ckpt-step N names the directory of iteration N (Megatron's --ckpt-step)."""
+    c = _section(values, "checkpoint")
+    if c["ckpt_step"] is not None:
+        c["load"] = checkpoint_at_step(c["load"], c["ckpt_step"])
+    return CheckpointConfig(**c)
 
 
 def _training(values: dict[str, Any], parallel: ParallelConfig, world_size: int) -> TrainingConfig:
@@ -419,6 +431,13 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
         raise ConfigError("--save-interval (> 0) is required with --save")
     if ckpt.keep_last is not None and ckpt.keep_last < 1:
         raise ConfigError(f"--ckpt-keep-last must be >= 1, got {ckpt.keep_last}")
+    sched = cfg.scheduler
+    if sched.override_opt_param_scheduler and sched.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+            "exclusive: the first goes on with the command line's schedule, the second with "
+            "the checkpoint's"
+        )
     if par.distributed_timeout_minutes < 1:
         raise ConfigError(
             f"--distributed-timeout-minutes must be >= 1, got {par.distributed_timeout_minutes}"

@@ -1,7 +1,9 @@
 """Reading checkpoints: DCP's file reader with a rank's items spread over several threads.
 
 Each thread deserializes its items and copies them to the device; in parallel, loading a
-snapshot from host memory is bound by memory bandwidth rather than by one thread's work.
+snapshot from host memory is bound by memory bandwidth rather than by one thread's work. A file
+whose bytes do not decode is a `CheckpointError` naming the file (torch's own message would
+advise loading it with `weights_only=False`).
 
 torch.distributed.checkpoint is imported at first use (`dcp()`): its import takes seconds, which
 a restarted process spends beside its start instead (pretrain_gpt.py, startup.import_beside).
@@ -11,9 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from megadyn.training.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded; the message names the directory or file, what is
+    wrong with it and what to do."""
 
 
 def dcp():
@@ -28,6 +38,16 @@ def parallel_reader(path: str, threads: int):
     return _reader_class()(path, threads)
 
 
+def why_unreadable(err: BaseException) -> str:
+    """What a failed decode says, in one line and never torch's advice to load with
+    `weights_only=False` (which a damaged file does not need)."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    first = (str(err).splitlines() or [""])[0]
+    said = type(err).__name__ if "weights" in first.lower() else f"{type(err).__name__}: {first}"
+    return f"the file is damaged, its bytes do not decode ({said.rstrip(': ')})"
+
+
 @functools.cache
 def _reader_class():
     class ParallelFileSystemReader(dcp().FileSystemReader):
@@ -40,6 +60,20 @@ def _reader_class():
         def _length(self, item) -> int:
             return self.storage_data[item.storage_index].length
 
+        def _read_files(self, plan, planner, items) -> None:
+            """Read `items` file by file; a file that fails is named in a CheckpointError."""
+            by_file: dict[str, list] = {}
+            for item in items:
+                name = self.storage_data[item.storage_index].relative_path
+                by_file.setdefault(name, []).append(item)
+            for name, file_items in by_file.items():
+                try:
+                    read = super().read_data(dataclasses.replace(plan, items=file_items), planner)
+                    read.wait()
+                except Exception as e:  # noqa: BLE001 - any decode error: the file is damaged
+                    path = os.path.join(str(self.path), name)
+                    raise CheckpointError(f"{path} is unreadable: {why_unreadable(e)}") from None
+
         def read_data(self, plan, planner):
             # the items in `threads` groups of about equal bytes, each read by its own thread
             loads = [[0, []] for _ in range(min(self.threads, len(plan.items)))]
@@ -47,24 +81,24 @@ def _reader_class():
                 least = min(loads, key=lambda load: load[0])
                 least[0] += self._length(item)
                 least[1].append(item)
-            if len(loads) < 2:
-                return super().read_data(plan, planner)
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
-            read_file = super().read_data
 
             def read(items):
                 if device is None:
-                    return read_file(dataclasses.replace(plan, items=items), planner).wait()
+                    return self._read_files(plan, planner, items)
                 torch.cuda.set_device(device)  # the current device is per thread
                 stream = torch.cuda.Stream(device)  # the threads' copies to the device overlap
                 # the targets were allocated on the default stream: its work so far goes first
                 stream.wait_stream(torch.cuda.default_stream(device))
                 with torch.cuda.stream(stream):
-                    read_file(dataclasses.replace(plan, items=items), planner).wait()
+                    self._read_files(plan, planner, items)
                 stream.synchronize()
 
-            with ThreadPoolExecutor(len(loads)) as pool:
-                list(pool.map(read, [items for _, items in loads]))
+            if len(loads) < 2:
+                self._read_files(plan, planner, plan.items)
+            else:
+                with ThreadPoolExecutor(len(loads)) as pool:
+                    list(pool.map(read, [items for _, items in loads]))
             done = torch.futures.Future()
             done.set_result(None)
             return done

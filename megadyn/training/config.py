@@ -206,6 +206,13 @@ class SchedulerConfig:
     weight_decay_incr_style: str = "constant"
     """How weight decay moves from start to end over training: constant, linear or cosine
     (--weight-decay-incr-style)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, go on with the command line's schedule values where the checkpoint's differ
+    (without this or --use-checkpoint-opt_param-scheduler a difference is an error)
+    (--override-opt_param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, go on with the checkpoint's schedule values where the command line's differ
+    (--use-checkpoint-opt_param-scheduler)."""
 
     def warmup_iters(self, decay_iters: int) -> float:
         """Warmup length in iterations (a float with --lr-warmup-fraction, as in Megatron)."""
@@ -258,6 +265,9 @@ class CheckpointConfig:
     """Do not restore the RNG states (--no-load-rng)."""
     finetune: bool = False
     """Load weights only and start at iteration 0 (--finetune)."""
+    ckpt_step: int | None = None
+    """Load the checkpoint of this iteration under --load instead of the one that
+    latest_checkpointed_iteration.txt names; --load then holds its directory (--ckpt-step)."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
                                     optimizer=opt)
     for it in range(train_iters):
         ...; opt.step(); sched.step()                  # one step per iteration
+    sched.load_state_dict(sched.resume_state(saved, cfg.scheduler))   # resume from a checkpoint
 
 The learning rate rises linearly from `init_lr` to `max_lr` over the warmup steps, then falls to
 `min_lr` with the decay style over the decay steps (warmup included) and stays there. Weight
@@ -14,6 +15,10 @@ carry its own `max_lr` / `min_lr` / `start_wd` / `end_wd`, as in Megatron.
 megadyn counts steps in iterations. Megatron counts samples (iterations x global batch); the two
 agree whenever the global batch is constant, which is always the case here except during
 --rampup-batch-size.
+
+A checkpoint's schedule that differs from the command line's is refused on resume unless
+--override-opt_param-scheduler (the command line's goes on) or
+--use-checkpoint-opt_param-scheduler (the checkpoint's) says which, as in Megatron.
 """
 
 from __future__ import annotations
@@ -31,17 +36,22 @@ from megadyn.training.config import (
     SchedulerConfig,
 )
 
-_STATE_FLAGS = {
-    "max_lr": "--lr",
-    "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters",
-    "lr_decay_steps": "--lr-decay-iters",
-    "lr_decay_style": "--lr-decay-style",
-    "start_wd": "--start-weight-decay",
-    "end_wd": "--end-weight-decay",
-    "wd_incr_steps": "--train-iters",
-    "wd_incr_style": "--weight-decay-incr-style",
+_STATE = {  # state_dict key: (attribute, the flag that sets it)
+    "max_lr": ("max_lr", "--lr"),
+    "min_lr": ("min_lr", "--min-lr"),
+    "lr_warmup_init": ("init_lr", "--lr-warmup-init"),
+    "lr_warmup_steps": ("warmup_steps", "--lr-warmup-iters"),
+    "lr_decay_steps": ("decay_steps", "--lr-decay-iters"),
+    "lr_decay_style": ("decay_style", "--lr-decay-style"),
+    "lr_wsd_decay_steps": ("wsd_decay_steps", "--lr-wsd-decay-iters"),
+    "lr_wsd_decay_style": ("wsd_decay_style", "--lr-wsd-decay-style"),
+    "start_wd": ("start_wd", "--start-weight-decay"),
+    "end_wd": ("end_wd", "--end-weight-decay"),
+    "wd_incr_steps": ("wd_incr_steps", "--train-iters"),
+    "wd_incr_style": ("wd_incr_style", "--weight-decay-incr-style"),
 }
+OVERRIDE_FLAG = "--override-opt_param-scheduler"
+USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
 
 
 def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, train_iters: int) -> None:
@@ -91,6 +101,17 @@ def check_schedule(sched: SchedulerConfig, opt: OptimizerConfig, train_iters: in
         )
 
 
+def _sources(sched: SchedulerConfig) -> dict[str, str]:
+    """The flags that set the values of `_STATE` which another flag defaults."""
+    sources = {"lr_decay_steps": "--lr-decay-iters" if sched.lr_decay_iters else "--train-iters"}
+    if sched.lr_warmup_fraction is not None:
+        sources["lr_warmup_steps"] = "--lr-warmup-fraction"
+    for key, given in (("start_wd", sched.start_weight_decay), ("end_wd", sched.end_weight_decay)):
+        if given is None:
+            sources[key] = "--weight-decay"
+    return sources
+
+
 def _weight_decay_range(sched: SchedulerConfig, opt: OptimizerConfig) -> tuple[float, float]:
     """Start and end weight decay; each defaults to --weight-decay (Megatron's rule)."""
     start, end = sched.start_weight_decay, sched.end_weight_decay
@@ -138,6 +159,8 @@ class LRScheduler:
         self.start_wd, self.end_wd = float(start_wd), float(end_wd)
         self.wd_incr_steps, self.wd_incr_style = max(1, wd_incr_steps), wd_incr_style
         self.num_steps = 0
+        # the flag that set each value, for errors (from_config names where defaults came from)
+        self.flags = {key: flag for key, (_, flag) in _STATE.items()}
         self.bind(optimizer, on_update)
 
     @classmethod
@@ -148,7 +171,7 @@ class LRScheduler:
         check_schedule(sched, opt, train_iters)
         decay = sched.lr_decay_iters or train_iters
         start, end = _weight_decay_range(sched, opt)
-        return cls(
+        made = cls(
             max_lr=opt.lr,
             min_lr=opt.min_lr,
             init_lr=sched.lr_warmup_init,
@@ -163,6 +186,8 @@ class LRScheduler:
             wsd_decay_style=sched.lr_wsd_decay_style,
             **targets,
         )
+        made.flags.update(_sources(sched))
+        return made
 
     def lr_at(self, step: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
         """Learning rate after `step` steps (per-group `max_lr`/`min_lr` override the class's)."""
@@ -255,30 +280,60 @@ class LRScheduler:
             self.on_update(self.lr, self.wd)
 
     def state_dict(self) -> dict[str, Any]:
-        """Megatron's keys (its steps count samples, megadyn's iterations)."""
-        return {
-            "max_lr": self.max_lr,
-            "min_lr": self.min_lr,
-            "lr_warmup_steps": self.warmup_steps,
-            "lr_decay_steps": self.decay_steps,
-            "lr_decay_style": self.decay_style,
-            "num_steps": self.num_steps,
-            "start_wd": self.start_wd,
-            "end_wd": self.end_wd,
-            "wd_incr_steps": self.wd_incr_steps,
-            "wd_incr_style": self.wd_incr_style,
-        }
+        """Megatron's keys (its steps count samples, megadyn's iterations), with the warmup's
+        initial lr and the WSD annealing, which Megatron's do not record."""
+        state = {key: getattr(self, attr) for key, (attr, _) in _STATE.items()}
+        return {**state, "num_steps": self.num_steps}
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Restore the step count. The schedule itself comes from the command line: with
-        `strict`, a checkpoint saved with different settings raises ValueError naming the flag;
-        without it the command line wins (Megatron's --override-opt-param-scheduler)."""
-        mine = self.state_dict()
-        for key, flag in _STATE_FLAGS.items():
-            if strict and key in state and state[key] != mine[key]:
-                raise ValueError(
-                    f"{flag}: the checkpoint's schedule has {key}={state[key]!r}, the command "
-                    f"line {mine[key]!r}"
-                )
+    def load_state_dict(self, state: dict[str, Any], strict: bool = False) -> None:
+        """Go on with the schedule of `state` from its step count: its values replace this
+        scheduler's (a rebuild under a new layout goes on with the schedule it had). `strict`:
+        refuse a state whose values differ from this scheduler's (ConfigError naming the flag)."""
+        if strict:
+            self._refuse(self.differences(state))
+        for key, value in state.items():
+            if key in _STATE:
+                setattr(self, _STATE[key][0], value)
         self.num_steps = int(state["num_steps"])
         self._apply()
+
+    def differences(self, state: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """(key, the state's value, this scheduler's) of each value that differs and matters:
+        the increment of a constant weight decay and the annealing of a decay style other than
+        WSD are not used."""
+        mine = self.state_dict()
+        unused = set()
+        if state.get("wd_incr_style", "constant") == "constant" == mine["wd_incr_style"]:
+            unused.add("wd_incr_steps")
+        if "WSD" not in (state.get("lr_decay_style"), mine["lr_decay_style"]):
+            unused.update(("lr_wsd_decay_steps", "lr_wsd_decay_style"))
+        return [
+            (key, state[key], mine[key])
+            for key in _STATE
+            if key in state and key not in unused and state[key] != mine[key]
+        ]
+
+    def resume_state(self, saved: dict[str, Any], cfg: SchedulerConfig) -> dict[str, Any]:
+        """The state to go on with from a checkpoint's `saved` one (Megatron's rule): where the
+        values differ from this scheduler's (the command line's), --override-opt_param-scheduler
+        takes the command line's, --use-checkpoint-opt_param-scheduler the checkpoint's, and
+        without either the resume is refused (ConfigError naming the flags and both values)."""
+        if cfg.use_checkpoint_opt_param_scheduler:
+            return dict(saved)
+        if cfg.override_opt_param_scheduler:
+            return {**saved, **self.state_dict(), "num_steps": saved["num_steps"]}
+        self._refuse(self.differences(saved))
+        return dict(saved)
+
+    def _refuse(self, differences: list[tuple[str, Any, Any]]) -> None:
+        if not differences:
+            return
+        said = "; ".join(
+            f"{key} {theirs!r} in the checkpoint, {mine!r} on the command line ({self.flags[key]})"
+            for key, theirs, mine in differences
+        )
+        raise ConfigError(
+            f"{self.flags[differences[0][0]]}: the checkpoint's learning-rate schedule differs "
+            f"from the command line's: {said}. Give {OVERRIDE_FLAG} to go on with the command "
+            f"line's values, or {USE_CHECKPOINT_FLAG} to go on with the checkpoint's."
+        )

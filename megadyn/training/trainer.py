@@ -499,6 +499,9 @@ class Trainer:
     def adopt(self, read: ckpt.ReadCheckpoint) -> None:
         """Put a read checkpoint into the model, optimizer, schedule and data cursor."""
         c = self.cfg.checkpoint
+        if not c.finetune and "scheduler" in read.meta:  # Megatron's rule, or a ConfigError
+            saved = read.meta["scheduler"]
+            read.meta["scheduler"] = self.scheduler.resume_state(saved, self.cfg.scheduler)
         meta = ckpt.apply_checkpoint(read, self.chunks, self.optimizer, self.groups)
         self.load_training_state(
             TrainingState.from_dict(meta),

@@ -1,12 +1,20 @@
 """Checkpoints survive a crash mid-save; bad checkpoints give clear errors."""
 
 import os
+import re
+import shutil
 
 import pytest
 from test_training_run import COMMON, close, train  # noqa: E402
 
 from megadyn.testing import run_pretrain, spawn
-from megadyn.training.checkpoint import latest_checkpoint
+from megadyn.training.checkpoint import (
+    TRACKER,
+    CheckpointError,
+    checkpoint_at_step,
+    find_checkpoint,
+    latest_checkpoint,
+)
 
 
 def crash_on_second_save(rank, world, argv):
@@ -41,30 +49,99 @@ def test_kill_mid_save_keeps_previous_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    """A run of 6 iterations checkpointed at 3 and 6 (the tracker names 6), and its losses."""
     save = str(tmp_path_factory.mktemp("c") / "ckpt")
-    train(1, "--save", save, "--save-interval", "6")
-    return save
+    losses = train(1, "--save", save, "--save-interval", "3")
+    return save, losses
 
 
-def test_truncated_checkpoint_is_a_clear_error(saved, tmp_path):
-    import shutil
-
-    broken = str(tmp_path / "broken")
-    shutil.copytree(saved, broken)
-    shard = next(
-        p for p in os.listdir(os.path.join(broken, "iter_0000006")) if p.endswith(".distcp")
-    )
-    path = os.path.join(broken, "iter_0000006", shard)
+def truncate(path: str) -> None:
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.raises(RuntimeError, match="--load"):
-        train(1, "--load", broken)
+
+
+def overwrite(path: str) -> None:
+    """Same length, other bytes (as a disk or a copy gone wrong leaves a file)."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.write(bytes(range(256)) * (size // 256) + bytes(size % 256))
+
+
+def damaged_copy(saved, tmp_path, damage) -> tuple[str, str]:
+    """A copy of the saved run whose newest checkpoint has one shard damaged; (root, shard)."""
+    root = str(tmp_path / "damaged")
+    shutil.copytree(saved[0], root)
+    newest = os.path.join(root, "iter_0000006")
+    shard = sorted(p for p in os.listdir(newest) if p.endswith(".distcp"))[0]
+    if damage is not None:
+        damage(os.path.join(newest, shard))
+    return root, shard
+
+
+def error_line(err) -> str:
+    """The exception line of a spawned rank's traceback (what the user is told)."""
+    return [line for line in str(err.value).splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize(
+    "damage,what", [(truncate, r"is short by \d+ bytes"), (overwrite, "is unreadable")]
+)
+def test_a_damaged_newest_checkpoint_is_an_error_naming_the_file(saved, tmp_path, damage, what):
+    root, shard = damaged_copy(saved, tmp_path, damage)
+    with pytest.raises(RuntimeError) as err:
+        train(1, "--load", root)  # before: resumed from iteration 3 without a word
+    line = error_line(err)
+    assert re.search(re.escape(os.path.join("iter_0000006", shard)) + " " + what, line), line
+    assert "--ckpt-step 3" in line and os.path.join(root, "iter_0000003") in line, line
+    assert "lacks" not in line and "weights_only" not in str(err.value), line
+
+
+def test_a_tracker_naming_a_missing_directory_is_an_error(saved, tmp_path):
+    root, _ = damaged_copy(saved, tmp_path, None)
+    shutil.rmtree(os.path.join(root, "iter_0000006"))
+    with pytest.raises(RuntimeError) as err:
+        train(1, "--load", root)
+    line = error_line(err)
+    assert f"{os.path.join(root, 'iter_0000006')} does not exist" in line, line
+    assert "--ckpt-step 3" in line, line
+
+
+def test_ckpt_step_resumes_from_an_older_checkpoint_on_purpose(saved, tmp_path):
+    root, _ = damaged_copy(saved, tmp_path, truncate)
+    close(train(1, "--load", root, "--ckpt-step", "3"), saved[1][3:])
+
+
+def test_which_checkpoint_load_names(saved, tmp_path):
+    """The tracker's directory or an error; an iter_* directory itself; without a tracker the
+    newest complete one (a directory renamed into place but damaged since is passed over)."""
+    root, shard = damaged_copy(saved, tmp_path, truncate)
+    older = os.path.join(root, "iter_0000003")
+    with pytest.raises(CheckpointError, match=r"iter_0000006/__\S+ is short by"):
+        find_checkpoint(root)
+    assert find_checkpoint(older) == older
+    with pytest.raises(CheckpointError, match="iter_0000004: no such directory"):
+        find_checkpoint(checkpoint_at_step(root, 4))
+    assert checkpoint_at_step(root, 3) == older
+    os.remove(os.path.join(root, TRACKER))
+    assert find_checkpoint(root) == older
+    shutil.copytree(saved[0], root, dirs_exist_ok=True)  # whole again
+    os.remove(os.path.join(root, TRACKER))
+    assert find_checkpoint(root) == os.path.join(root, "iter_0000006")
+    assert find_checkpoint(str(tmp_path / "empty")) is None  # nothing there: train from scratch
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write("sixty")
+    with pytest.raises(CheckpointError, match="not an iteration"):
+        find_checkpoint(root)
+    for name in (".metadata", "megadyn.json"):  # the small files, damaged at their size
+        overwrite(os.path.join(older, name))
+        with pytest.raises(CheckpointError, match=f"iter_0000003/{re.escape(name)} is unreadable"):
+            find_checkpoint(older)
 
 
 def test_model_shape_mismatch_is_a_clear_error(saved):
     bigger = [a if a != "32" else "64" for a in COMMON]  # --hidden-size 64
     with pytest.raises(RuntimeError, match="global shape"):
-        spawn(run_pretrain, world=1, args=(bigger + ["--load", saved],))
+        spawn(run_pretrain, world=1, args=(bigger + ["--load", saved[0]],))
 
 
 def test_async_save_keeps_last_k(tmp_path):

@@ -1,5 +1,6 @@
 """Learning-rate / weight-decay schedules and the micro-batch calculator, against closed forms."""
 
+import dataclasses
 import math
 
 import pytest
@@ -81,22 +82,98 @@ def test_from_config_resolves_megatron_defaults():
 
 
 def test_state_dict_round_trip():
+    """A state continues where it was, with its own values (a rebuild under a new layout)."""
     make = dict(max_lr=1.0, min_lr=0.1, warmup_steps=5, decay_steps=50, decay_style="cosine")
     sched = LRScheduler(**make)
     sched.step(37)
     state = sched.state_dict()
     groups = [{"params": []}]
     restored = LRScheduler(**make, optimizer=type("Opt", (), {"param_groups": groups})())
-    restored.load_state_dict(state)
+    restored.load_state_dict(state, strict=True)
     assert restored.num_steps == 37 and restored.lr == sched.lr == groups[0]["lr"]
     restored.step()
     sched.step()
     assert restored.lr == sched.lr
     other = LRScheduler(**{**make, "decay_steps": 60})
-    with pytest.raises(ValueError, match="^--lr-decay-iters"):
-        other.load_state_dict(state)
-    other.load_state_dict(state, strict=False)  # the command line wins
-    assert other.decay_steps == 60 and other.num_steps == 37
+    with pytest.raises(ConfigError, match="^--lr-decay-iters"):
+        other.load_state_dict(state, strict=True)
+    other.load_state_dict(state)
+    assert other.decay_steps == 50 and other.num_steps == 37 and other.lr == sched.lr_at(37)
+
+
+OPT = OptimizerConfig(lr=1e-2, min_lr=1e-3, weight_decay=0.1)
+
+
+def test_resuming_another_schedule_needs_one_of_megatrons_flags():
+    """Megatron's rule: a checkpoint's schedule that differs from the command line's is refused
+    unless --override-opt_param-scheduler (the command line's) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint's) says which one goes on."""
+    cfg = SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2)
+    saved = LRScheduler.from_config(cfg, OPT, train_iters=6)
+    saved.step(3)
+    state = saved.state_dict()
+    same = LRScheduler.from_config(cfg, OPT, train_iters=6)
+    assert same.resume_state(state, cfg) == state
+    longer = LRScheduler.from_config(cfg, OPT, train_iters=8)
+    with pytest.raises(ConfigError) as err:
+        longer.resume_state(state, cfg)
+    msg = str(err.value)
+    assert msg.startswith("--train-iters: ") and "lr_decay_steps 6" in msg and "8" in msg, msg
+    assert "--override-opt_param-scheduler" in msg, msg
+    assert "--use-checkpoint-opt_param-scheduler" in msg, msg
+    assert "wd_incr_steps" not in msg  # a constant weight decay does not use it
+    override = dataclasses.replace(cfg, override_opt_param_scheduler=True)
+    longer.load_state_dict(longer.resume_state(state, override))
+    assert longer.decay_steps == 8 and longer.num_steps == 3
+    keep = dataclasses.replace(cfg, use_checkpoint_opt_param_scheduler=True)
+    longer = LRScheduler.from_config(keep, OPT, train_iters=8)
+    longer.load_state_dict(longer.resume_state(state, keep))
+    assert longer.decay_steps == 6 and longer.lr == saved.lr
+    rebuilt = LRScheduler.from_config(keep, OPT, train_iters=8)  # a live reshard's rebuild
+    rebuilt.load_state_dict(longer.state_dict())
+    assert rebuilt.decay_steps == 6 and rebuilt.lr == saved.lr
+
+
+@pytest.mark.parametrize(
+    "change,flag",
+    [
+        (dict(lr=2e-2), "--lr"),
+        (dict(min_lr=2e-3), "--min-lr"),
+        (dict(lr_warmup_iters=3), "--lr-warmup-iters"),
+        (dict(lr_warmup_fraction=0.5, lr_warmup_iters=0), "--lr-warmup-fraction"),
+        (dict(lr_decay_iters=5), "--lr-decay-iters"),
+        (dict(lr_decay_style="linear"), "--lr-decay-style"),
+        (dict(lr_warmup_init=1e-4), "--lr-warmup-init"),
+        (dict(weight_decay=0.2), "--weight-decay"),
+    ],
+)
+def test_a_schedule_mismatch_names_its_flag(change, flag):
+    cfg = SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2)
+    saved = LRScheduler.from_config(cfg, OPT, train_iters=6).state_dict()
+    opt = {k: v for k, v in change.items() if k in ("lr", "min_lr", "weight_decay")}
+    sched = {k: v for k, v in change.items() if k not in opt}
+    other = LRScheduler.from_config(
+        dataclasses.replace(cfg, **sched), dataclasses.replace(OPT, **opt), train_iters=6
+    )
+    with pytest.raises(ConfigError, match=f"^{flag}: "):
+        other.resume_state(saved, cfg)
+
+
+def test_megatrons_two_schedule_flags_are_exclusive():
+    from megadyn.training.arguments import parse_args
+
+    base = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 1 --global-batch-size 4 --train-iters 6 --lr 1e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 60"
+    ).split()
+    cfg = parse_args(base + ["--override-opt_param-scheduler"], world_size=1)
+    assert cfg.scheduler.override_opt_param_scheduler
+    with pytest.raises(ConfigError, match="--use-checkpoint-opt_param-scheduler"):
+        parse_args(
+            base + ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+            world_size=1,
+        )
 
 
 def test_rampup_micro_batches_sequence():
