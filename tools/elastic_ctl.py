@@ -24,7 +24,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="the job's --elastic-control-port")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the job's control store and then for the answer",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("show", help="print the job's layout, members and iteration")
     lay = sub.add_parser("layout", help="change the layout")
@@ -42,7 +47,7 @@ def main(argv=None) -> int:
     sc.add_argument("--at-iteration", type=int, default=0)
     a = p.parse_args(argv)
 
-    channel = ControlChannel(connect(a.host, a.port, is_server=False, timeout_s=30))
+    channel = ControlChannel(connect(a.host, a.port, is_server=False, timeout_s=a.timeout))
     if a.command == "show":
         print(json.dumps(channel.state(), indent=1))
         return 0

@@ -118,6 +118,9 @@ class Layout:
                     f"--global-batch-size ({global_batch_size}) must be divisible by "
                     f"--micro-batch-size ({micro_batch_size}) x data-parallel size ({self.dp})"
                 )
+            if self.vpp > 1:
+                micro = global_batch_size // (micro_batch_size * self.dp)
+                check_interleaved_microbatches(micro, self.pp)
 
     @staticmethod
     def from_world(
@@ -131,6 +134,19 @@ class Layout:
             )
         return Layout(
             tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp, sequence_parallel=sequence_parallel
+        )
+
+
+def check_interleaved_microbatches(num_microbatches: int, pp: int) -> None:
+    """Refuse micro batch counts the interleaved schedule cannot run (at startup, for a planned
+    or requested layout, and by the schedule itself under a batch-size ramp-up)."""
+    if num_microbatches % pp:
+        raise LayoutError(
+            f"--num-layers-per-virtual-pipeline-stage: the interleaved pipeline schedule needs "
+            f"the number of micro batches per step ({num_microbatches}) to be a multiple of "
+            f"--pipeline-model-parallel-size ({pp}); micro batches = --global-batch-size / "
+            "(--micro-batch-size x data-parallel size): change --global-batch-size or "
+            "--micro-batch-size, or drop --num-layers-per-virtual-pipeline-stage"
         )
 
 

@@ -131,7 +131,8 @@ class ElasticController:
             layout, members, release = resolve_request(
                 request, trainer.model_cfg, self.cfg, groups, self.live, cost=self.cost
             )
-        except (LayoutError, ValueError) as e:
+        except (LayoutError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+            # a request the layout rules refuse, or a malformed one (written by another tool)
             self.channel.answer(rid, {"status": "refused", "reason": str(e)})
             self.print(
                 f" elastic: request {rid} refused: {e}; training continues on the old layout",
@@ -284,9 +285,18 @@ class ElasticController:
                 return trainer
 
     def finish(self, trainer) -> None:
-        """The job is done: tell standby processes to exit."""
-        if trainer is not None and dist.get_rank() == trainer.groups.grid.members[0]:
-            self.channel.publish_epoch(self.epoch + 1, {"epoch": self.epoch + 1, "event": "finish"})
+        """The job is done: refuse the requests still queued (an operator's tool is waiting
+        for an answer) and tell standby processes to exit."""
+        if trainer is None or dist.get_rank() != trainer.groups.grid.members[0]:
+            return
+        while (pending := self.channel.pending_request(self.channel.handled())) is not None:
+            rid, request = pending
+            self.channel.mark_handled(rid)
+            reason = f"the job finished at iteration {trainer.iteration}"
+            if request.get("at_iteration", 0) > trainer.iteration:
+                reason += f", before the request's --at-iteration {request['at_iteration']}"
+            self.channel.answer(rid, {"status": "refused", "reason": reason})
+        self.channel.publish_epoch(self.epoch + 1, {"epoch": self.epoch + 1, "event": "finish"})
 
 
 def format_event(event: dict) -> str:

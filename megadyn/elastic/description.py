@@ -38,6 +38,7 @@ from megadyn.models.sharding import chunk_param_names, param_specs, tp_piece
 OPTIM_KEYS = ("main", "exp_avg", "exp_avg_sq")
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
+
 @dataclass(frozen=True)
 class DistOpt:
     """The distributed optimizer (ZeRO-1) is on, with this DDP bucket size (elements)."""

@@ -97,11 +97,6 @@ def check_layout(layout: Layout, model_cfg, cfg) -> None:
     """Every reason a layout cannot run this job, as a LayoutError naming it."""
     t = cfg.training
     validate_for(layout, model_cfg, cfg)
-    micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    if layout.vpp > 1 and micro % layout.pp:
-        raise LayoutError(
-            f"interleaved schedule needs micro batches ({micro}) divisible by pp ({layout.pp})"
-        )
     padded = model_cfg.padded_vocab_size(layout.tp)
     start, end = vocab_range(model_cfg.vocab_size, padded, layout.tp - 1, layout.tp)
     if end <= start:

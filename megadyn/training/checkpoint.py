@@ -416,10 +416,7 @@ def apply_checkpoint(read: ReadCheckpoint, chunks, optimizer, groups) -> dict:
 
 @torch.no_grad()
 def _apply(items, chunks, optimizer, meta) -> None:
-    if optimizer is not None:
-        optimizer.step_count = meta.get("optimizer_step", 0)
-        if meta.get("grad_scaler") and getattr(optimizer, "grad_scaler", None) is not None:
-            optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    # the optimizer's step count and loss scaler are TrainingState (Trainer.adopt)
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             param.copy_(local_value(items[f"model.{name}"]).reshape(param.shape))

@@ -56,4 +56,3 @@ class TrainingState:
             optimizer_step=int(d.get("optimizer_step", 0)),
             grad_scaler=d.get("grad_scaler"),
         )
-

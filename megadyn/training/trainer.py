@@ -92,7 +92,9 @@ class Trainer:
         self.draws: list[
             tuple[int, int, int, int]
         ] = []  # (cursor, dp rank, dp size, micro batches)
-        self.wandb = create_wandb_logger(cfg, dist.get_rank(), dist.get_world_size())
+        self.wandb = create_wandb_logger(
+            self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
+        )
         self.snapshots = SnapshotKeeper()
         self.build(groups, init_weights=init_weights)
 
@@ -425,7 +427,8 @@ class Trainer:
             mfu=mfu(tflops),
             peak_mem_gib=peak,
         )
-        self.print(format_iteration_line(stats), flush=True)
+        line = format_iteration_line(stats, log_throughput=cfg.logging.log_throughput)
+        self.print(line, flush=True)
         self.wandb.log(wandb_metrics(stats), step=s.iteration)
         return values
 

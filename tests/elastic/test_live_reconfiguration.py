@@ -219,7 +219,9 @@ def test_fp16_loss_scale_survives_a_live_change():
     # the dynamic loss scale starts at 2**32, so the first steps overflow and halve it; a live
     # change must carry the reduced scale: a fresh scaler would overflow (and skip) again
     fp16 = ARGS + ["--fp16", "--initial-loss-scale", str(2**20), "--hysteresis", "1"]
-    reference = spawn(run_pretrain, world=2, args=(fp16 + ["--tensor-model-parallel-size", "2"],))[1]
+    reference = spawn(run_pretrain, world=2, args=(fp16 + ["--tensor-model-parallel-size", "2"],))[
+        1
+    ]
     port = free_port()
     argv = fp16 + ["--tensor-model-parallel-size", "2", "--elastic-control-port", str(port)]
     requests = [{"action": "layout", "tp": 1, "pp": 2, "at_iteration": 6}]

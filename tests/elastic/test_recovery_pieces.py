@@ -143,6 +143,7 @@ def copy_of(stopped, tmp_path):
     shutil.copytree(stopped, tmp_path / "run")
     for late in ("iter_0000006", "iter_0000007"):  # the last disk checkpoint is at 3
         shutil.rmtree(tmp_path / "run" / "disk" / late)
+    (tmp_path / "run" / "disk" / "latest_checkpointed_iteration.txt").write_text("3")
     return tmp_path / "run"
 
 

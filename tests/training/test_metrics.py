@@ -182,11 +182,6 @@ def gpt2_bpe_files(directory: Path) -> list[str]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="until the trainer passes self.cfg and log_throughput, and the tensor-parallel "
-    "mappings, sp_overlap and p2p call megadyn.core.distributed.comm (issue 18, item 7)",
-)
 def test_console_of_a_tiny_torchrun_job(tmp_path):
     """2 processes at tp 2 with sequence parallelism (its gathers and scatters), saving twice,
     W&B offline, --log-throughput: no deprecation warning from any rank, at start or after a

@@ -11,12 +11,10 @@ cuda_graph.py   pp = 1: a micro batch's forward and backward captured and replay
 interleaved.py  interleaved 1F1B over virtual stages
 """
 
+from megadyn.core.layout import check_interleaved_microbatches
 from megadyn.core.pipeline.config import PipelineConfig
 from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
-from megadyn.core.pipeline.interleaved import (
-    check_interleaved_microbatches,
-    forward_backward_interleaved,
-)
+from megadyn.core.pipeline.interleaved import forward_backward_interleaved
 from megadyn.core.pipeline.p2p import P2PCommunicator, deallocate
 from megadyn.core.pipeline.schedules import (
     forward_backward,

@@ -21,27 +21,13 @@ from collections import deque
 
 import torch
 
-from megadyn.core.layout import LayoutError
 from megadyn.core.pipeline.steps import MicroBatchSteps
-
-
-def check_interleaved_microbatches(num_microbatches: int, pp: int) -> None:
-    """Refuse micro batch counts the interleaved schedule cannot run."""
-    if num_microbatches % pp:
-        raise LayoutError(
-            f"the interleaved pipeline schedule needs the number of micro batches per step "
-            f"({num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({pp}); "
-            "micro batches = --global-batch-size / (--micro-batch-size x data-parallel size): "
-            "change --global-batch-size or --micro-batch-size (or drop "
-            "--num-layers-per-virtual-pipeline-stage)"
-        )
 
 
 def forward_backward_interleaved(steps: MicroBatchSteps) -> list[torch.Tensor]:
     """Megatron's interleaved 1F1B over `len(steps.chunks)` virtual stages per rank."""
     comm, groups = steps.comm, steps.groups
     pp, rank, vpp, m = groups.pp_size, groups.pp_rank, len(steps.chunks), steps.num_microbatches
-    check_interleaved_microbatches(m, pp)
     first, last = rank == 0, rank == pp - 1
     total = m * vpp
     if steps.forward_only or m == pp:

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from megadyn.core.distributed.comm import all_gather_flat
 from megadyn.core.pipeline.config import PipelineConfig
 
 
@@ -136,7 +137,7 @@ class P2PCommunicator:
     def _assemble(self, received: torch.Tensor) -> torch.Tensor:
         if self.split:
             full = torch.empty(self.numel, dtype=self.dtype, device=self.device)  # [s*b*h]
-            dist.all_gather_into_tensor(full, received, group=self.tp_group)
+            all_gather_flat(full, received, self.tp_group)
             received = full
         return received.view(self.shape)  # [s(/tp), b, h], a leaf: no autograd history
 

@@ -24,13 +24,10 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from megadyn.core.layout import Layout, LayoutError
+from megadyn.core.layout import Layout, LayoutError, check_interleaved_microbatches
 from megadyn.core.pipeline.config import PipelineConfig
 from megadyn.core.pipeline.cuda_graph import MicroBatchGraph
-from megadyn.core.pipeline.interleaved import (
-    check_interleaved_microbatches,
-    forward_backward_interleaved,
-)
+from megadyn.core.pipeline.interleaved import forward_backward_interleaved
 from megadyn.core.pipeline.steps import LossFn, MicroBatchSteps, ScheduleStats
 
 Schedule = Callable[[MicroBatchSteps], list[torch.Tensor]]
@@ -124,7 +121,7 @@ def forward_backward(
             "stages per pipeline rank (--num-layers-per-virtual-pipeline-stage)"
         )
     schedule = get_schedule(layout)
-    if schedule is forward_backward_interleaved:
+    if schedule is forward_backward_interleaved:  # before a micro batch is drawn
         check_interleaved_microbatches(num_microbatches, layout.pp)
     steps = MicroBatchSteps(
         chunks,

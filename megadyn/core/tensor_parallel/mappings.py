@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megadyn.core.distributed.comm import all_gather_flat, reduce_scatter_flat
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -50,7 +52,7 @@ def _gather_last(x, group):
         return x
     x = x.contiguous()
     out = torch.empty((size,) + x.shape, dtype=x.dtype, device=x.device)  # [tp, ..., h/tp]
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_flat(out, x, group)
     return torch.cat(out.unbind(0), dim=-1)
 
 
@@ -70,7 +72,7 @@ def gather_sequence(x, group):
         return x
     x = x.contiguous()
     out = torch.empty((size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)  # [s, b, h] from [s/tp, b, h]
+    all_gather_flat(out, x, group)  # [s, b, h] from [s/tp, b, h]
     return out
 
 
@@ -83,7 +85,7 @@ def reduce_scatter_sequence(x, group, async_op: bool = False):
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + x.shape[1:], dtype=x.dtype, device=x.device)
     # [s/tp, b, h] from partial [s, b, h]
-    work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    work = reduce_scatter_flat(out, x, group, async_op=async_op)
     return (out, work) if async_op else out
 
 

@@ -35,9 +35,9 @@ Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from megadyn.core.distributed.comm import all_gather_flat
 from megadyn.core.tensor_parallel.mappings import group_rank, group_size, reduce_scatter_sequence
 from megadyn.core.tensor_parallel.wgrad import weight_grad
 
@@ -121,7 +121,7 @@ def _all_gather_start(x: torch.Tensor, group, transport: str):
     if _copy_engine(x, transport):
         return _copy_engine_all_gather(x, group)
     out = x.new_empty((group_size(group) * x.shape[0],) + x.shape[1:])
-    work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+    work = all_gather_flat(out, x, group, async_op=True)
     return out, work.wait
 
 

@@ -1,0 +1,72 @@
+"""An operator's session, as the README tells it: `torchrun pretrain_gpt.py` with standby
+processes, and several `tools/elastic_ctl.py` requests sent in a row. Every request completes or
+is refused with a reason, and the job runs to its last iteration."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megadyn.testing import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 8 "
+    "--lr 1e-3 --log-interval 10 --eval-interval 0 --num-workers 0 --train-iters 120 "
+    "--use-distributed-optimizer"
+).split()
+REQUESTS = [  # sent one after another, before the first is due
+    ["layout", "--tp", "1", "--pp", "2", "--at-iteration", "20"],  # standby processes sit out
+    ["scale", "4", "--at-iteration", "35"],  # they join (pinned: tp1 x pp2 x dp2)
+    ["scale", "2", "--at-iteration", "50"],  # and go back to standby
+    ["layout", "--tp", "2", "--pp", "1", "--at-iteration", "65"],  # members only again
+    ["layout", "--tp", "1", "--pp", "1", "--at-iteration", "100000"],  # never due: refused
+]
+
+
+@pytest.mark.timeout(300)
+def test_requests_in_a_row_with_standby_processes(tmp_path):
+    port, master = free_port(), free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    job_log = open(tmp_path / "job.log", "w+")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--master-port", str(master), "pretrain_gpt.py", *TINY,
+         "--tensor-model-parallel-size", "2", "--elastic-initial-members", "2",
+         "--elastic-layout", "pinned", "--elastic-control-port", str(port)],
+        cwd=ROOT, env=env, stdout=job_log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    tools = []
+    try:
+        for request in REQUESTS:
+            tool = subprocess.Popen(
+                [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "240",
+                 *request],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            first = tool.stdout.readline()  # submitted: the next one queues behind it
+            assert "submitted" in first, first + tool.stdout.read()
+            tools.append((tool, first))
+        answers = [(t.wait(timeout=240), first + t.stdout.read()) for t, first in tools]
+        job.wait(timeout=240)
+    finally:
+        for p in [job] + [t for t, _ in tools]:
+            if p.poll() is None:
+                p.kill()
+        job_log.seek(0)
+        log = job_log.read()
+        print(log)
+    assert job.returncode == 0, log[-3000:]
+    for rc, out in answers[:-1]:
+        assert rc == 0 and '"status": "done"' in out, out
+    rc, out = answers[-1]
+    assert rc != 0 and "refused" in out and "finished at iteration 120" in out, out
+    news = re.findall(
+        r"elastic: event: \w+ \| epoch: \d+ \| iteration: \d+ \| old: \S+ \| new: (\S+)", log
+    )
+    assert news == ["tp1xpp2xdp1", "tp1xpp2xdp2", "tp1xpp2xdp1", "tp2xpp1xdp1"], log[-3000:]
+    assert re.search(r"iteration\s+120/\s+120", log), log[-3000:]
