@@ -15,6 +15,9 @@ name is never reused after `destroy()`. (Hashed names, which
 group rebuilt under a repeated name can meet the old group's rendezvous keys in the store and
 hang; megadyn's tests showed it.) Creating a group costs only its members communication;
 non-members return at once, and processes that have left the job take no part.
+
+What the layout's communication keeps between calls (--tp-comm-overlap's side stream and
+symmetric-memory workspace) lives in `groups.comm` and goes with `destroy()`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megadyn.core.comm_resources import CommOverlap, CommResources
 from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid, canonical_members
 
 
@@ -53,6 +57,8 @@ class ParallelGroups:
     dp_ranks: list[int] = field(default_factory=list)
     pp_ranks: list[int] = field(default_factory=list)
     embedding_ranks: list[int] = field(default_factory=list)
+    comm: CommResources = field(default_factory=CommResources)
+    """Streams and workspaces of this layout's overlapped communication (comm_resources.py)."""
     _owned: list = field(default_factory=list)
 
     @classmethod
@@ -100,6 +106,7 @@ class ParallelGroups:
         if pg.is_member:
             pg._owned.append(group)
             pg.members_group = group
+            pg.comm.serve(pg.tp_group)  # for layers given --tp-comm-overlap's transport name
         return pg
 
     # --- coordinates -------------------------------------------------------------------------
@@ -169,8 +176,15 @@ class ParallelGroups:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def comm_overlap(self, transport: str | None) -> CommOverlap | None:
+        """The layers' `comm_overlap` for --tp-comm-overlap's `transport` ('nccl' or
+        'copy-engine'; None: no overlap), carrying this layout's communication resources."""
+        return None if transport is None else CommOverlap(transport, self.comm)
+
     def destroy(self) -> None:
-        """Release every group this object created; the object must not be used afterwards."""
+        """Release every group this object created and its communication resources; the object
+        must not be used afterwards."""
+        self.comm.release()
         for group in reversed(self._owned):
             dist.destroy_process_group(group)
         self._owned.clear()

@@ -19,7 +19,7 @@ graph launch, and each later micro batch only copies its tokens into the graph's
   when any of them change (a rebuilt model after a layout change, another micro batch size)
   it is captured again, never replayed on stale addresses.
 - A graph holds the NCCL communicators it recorded: `reset()` it before destroying their
-  process groups (a process that destroyed them first did not exit, BENCHMARKS.md).
+  process groups (a process that destroys them first does not exit).
 - Not capturable, refused by `check_cuda_graph`: pipeline parallelism (stages exchange
   activations between micro batches), dropout and recomputation (the tensor-parallel RNG
   tracker swaps generator states from the host), and any device other than CUDA.

@@ -16,8 +16,9 @@ models and modules without DDP take plain `F.linear`.
 Communication overlap: a column-parallel layer all-reduces its input gradient (reduce-scatters
 it under sequence parallelism) asynchronously while its weight gradient is computed. With
 `comm_overlap` (sequence parallelism, --tp-comm-overlap: the transport, 'nccl' or
-'copy-engine') the all-gathers and the row-parallel reduce-scatter also run beside per-chunk
-GEMMs (sp_overlap.py).
+'copy-engine', best as `groups.comm_overlap(transport)`, which carries the layout's
+communication resources) the all-gathers and the row-parallel reduce-scatter also run beside
+per-chunk GEMMs (sp_overlap.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megadyn.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence,
 )
 from megadyn.core.tensor_parallel.sp_overlap import (
+    Overlap,
     all_gather_linear,
     reduce_scatter_start,
     row_parallel_overlap,
@@ -50,11 +52,10 @@ class _LinearAsyncReduce(torch.autograd.Function):
     first) reduce-scattered, while the weight-gradient GEMM runs (which with `fuse` adds into
     `W.main_grad`).
 
-    By default no GEMM is split to run beside a collective: in eager steps, computing and
-    all-reducing two halves of the sequence was 1.5x slower per tp2 step on H200, and so were
-    sequence-parallel ring exchanges beside per-chunk GEMMs (BENCHMARKS.md), the extra launches
-    costing more than the overlap gave. `overlap` (--tp-comm-overlap, for CUDA-graph steps,
-    where launches cost nothing) splits the gathered GEMM by sequence chunk (sp_overlap.py)."""
+    By default no GEMM is split to run beside a collective: in an eager step the extra launches
+    of split GEMMs cost more than the overlap gives (measurements: BENCHMARKS.md). `overlap`
+    (--tp-comm-overlap, for CUDA-graph steps, where launches cost nothing) splits the gathered
+    GEMM by sequence chunk (sp_overlap.py)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input, overlap):
@@ -158,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
         local_output_size: int | None = None,
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
-        comm_overlap: str | None = None,
+        comm_overlap: Overlap | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -211,7 +212,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
-        comm_overlap: str | None = None,
+        comm_overlap: Overlap | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):

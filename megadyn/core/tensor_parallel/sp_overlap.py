@@ -21,15 +21,16 @@ transports (--tp-comm-overlap-transport):
                   delays the collective beside it
     copy-engine   the copy engines, through torch's symmetric memory (the all-gathers; at
                   tp = 2 also the reduce-scatters, as an all-gather of the peer's rows), so
-                  the GEMMs keep every multiprocessor: with graphs, tp 2 + SP runs 5-6%
-                  ahead of tp 2 (BENCHMARKS.md, seventh session). It uses torch's
-                  symmetric-memory workspace and barriers (private API) in
-                  _copy_engine_all_gather; torch's reduce-scatter op of that family
-                  returns memory of its side stream and gave wrong results under a graph.
+                  the GEMMs keep every multiprocessor. The barriers are torch's private
+                  symmetric-memory API (_copy_engine_all_gather); the workspace and the side
+                  stream are the layout's (`groups.comm`, megadyn/core/comm_resources.py).
+                  torch's own reduce-scatter op of that family is not used: its output is
+                  memory of its side stream, and its results are wrong under a CUDA graph.
                   Its host work per transfer is larger than NCCL's: it is for graphed steps
 
 Chunks are rows of the [s * b, d] view: the sequence is the leading dimension.
 Results equal the plain path's up to float rounding (tests/core/test_tp_overlap.py).
+Measurements of both transports, and what was tried before them: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -37,9 +38,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megadyn.core.comm_resources import (
+    CommOverlap,
+    CommResources,
+    resources_of,
+    transport_of,
+)
 from megadyn.core.distributed.comm import all_gather_flat
 from megadyn.core.tensor_parallel.mappings import group_rank, group_size, reduce_scatter_sequence
 from megadyn.core.tensor_parallel.wgrad import weight_grad
+
+Overlap = str | CommOverlap  # a layer's comm_overlap: the transport's name, or with its resources
 
 
 def _mm_rows(a, b, out, bias=None) -> None:
@@ -52,10 +61,10 @@ def _mm_rows(a, b, out, bias=None) -> None:
         torch.addmm(bias, a, b, out=out)
 
 
-def _copy_engine(x: torch.Tensor, transport: str) -> bool:
+def _copy_engine(x: torch.Tensor, transport: Overlap) -> bool:
     """Whether the transfer goes through the copy engines (torch's symmetric memory: no
     multiprocessors taken from the GEMMs beside it) rather than NCCL kernels."""
-    if transport != "copy-engine":
+    if transport_of(transport) != "copy-engine":
         return False
     if not x.is_cuda:
         raise ValueError("--tp-comm-overlap-transport copy-engine needs CUDA tensors")
@@ -64,28 +73,7 @@ def _copy_engine(x: torch.Tensor, transport: str) -> bool:
     return True
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-# group name -> (workspace handle, bytes asked so far, {(shape, dtype): every rank's buffer})
-_workspaces: dict[str, tuple] = {}
-
-
-def _workspace_buffers(x: torch.Tensor, group):
-    """(handle, every rank's workspace buffer shaped like x) of the group's symmetric-memory
-    workspace, kept between calls: an eager step makes some 1,500 all-gathers."""
-    from torch.distributed._symmetric_memory import get_symm_mem_workspace
-
-    nbytes = x.numel() * x.element_size()
-    hdl, size, buffers = _workspaces.get(group.group_name, (None, 0, None))
-    if nbytes > size:  # a larger workspace replaces the old one, and its buffers
-        hdl, size, buffers = get_symm_mem_workspace(group.group_name, nbytes), nbytes, {}
-        _workspaces[group.group_name] = (hdl, size, buffers)
-    key = (tuple(x.shape), x.dtype)
-    if key not in buffers:
-        buffers[key] = [hdl.get_buffer(r, x.shape, x.dtype) for r in range(hdl.world_size)]
-    return hdl, buffers[key]
-
-
-def _copy_engine_all_gather(x: torch.Tensor, group):
+def _copy_engine_all_gather(x: torch.Tensor, group, resources: CommResources):
     """All-gather through the copy engines, the entry barrier on the compute stream.
 
     torch's low-contention all-gather puts both its barriers (small kernels) on its side
@@ -94,17 +82,15 @@ def _copy_engine_all_gather(x: torch.Tensor, group):
     on the compute stream before that GEMM is queued; the peer copies (copy engines, no
     multiprocessors) then run beside it, and the exit barrier (no rank writes its workspace
     while a peer still reads it) waits on the side stream. `wait` must come before this
-    group's next all-gather."""
-    hdl, bufs = _workspace_buffers(x, group)
+    group's next all-gather. The workspace and the side stream are the layout's `resources`."""
+    hdl, bufs = resources.workspace_buffers(x, group)
     rank = hdl.rank
     out = x.new_empty((len(bufs) * x.shape[0],) + x.shape[1:])
     chunks = out.chunk(len(bufs))
     bufs[rank].copy_(x)
     hdl.barrier()
     compute = torch.cuda.current_stream(x.device)
-    side = _side_streams.get(x.device)
-    if side is None:
-        side = _side_streams[x.device] = torch.cuda.Stream(x.device)
+    side = resources.side_stream(x.device)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
         chunks[rank].copy_(x)
@@ -115,17 +101,17 @@ def _copy_engine_all_gather(x: torch.Tensor, group):
     return out, lambda: compute.wait_stream(side)
 
 
-def _all_gather_start(x: torch.Tensor, group, transport: str):
+def _all_gather_start(x: torch.Tensor, group, transport: Overlap):
     """Start gathering x [n, ...] from every rank into [tp * n, ...]; (output, wait)."""
     x = x.contiguous()
     if _copy_engine(x, transport):
-        return _copy_engine_all_gather(x, group)
+        return _copy_engine_all_gather(x, group, resources_of(transport, group))
     out = x.new_empty((group_size(group) * x.shape[0],) + x.shape[1:])
     work = all_gather_flat(out, x, group, async_op=True)
     return out, work.wait
 
 
-def _reduce_scatter_by_gather(x: torch.Tensor, group, transport: str):
+def _reduce_scatter_by_gather(x: torch.Tensor, group, transport: Overlap):
     """tp = 2: each rank sends its partial of the peer's rows (an all-gather) and adds the
     peer's partial of its own rows; returns `finish`, which waits and returns the sum."""
     x = x.contiguous()
@@ -139,7 +125,7 @@ def _reduce_scatter_by_gather(x: torch.Tensor, group, transport: str):
     return finish
 
 
-def reduce_scatter_start(x: torch.Tensor, group, transport: str):
+def reduce_scatter_start(x: torch.Tensor, group, transport: Overlap):
     """Start reducing partial sums x [tp * n, ...] into this rank's [n, ...]; returns `finish`,
     which waits and returns the result (through the copy engines at tp = 2)."""
     if group_size(group) == 2 and _copy_engine(x, transport):
@@ -154,7 +140,9 @@ def reduce_scatter_start(x: torch.Tensor, group, transport: str):
     return finish
 
 
-def all_gather_linear(x, weight, bias, group, transport: str) -> tuple[torch.Tensor, torch.Tensor]:
+def all_gather_linear(
+    x, weight, bias, group, transport: Overlap
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x gathered along the sequence [s, b, in], F.linear of it [s, b, out]) from this rank's
     x [s/tp, b, in]; the own chunk's GEMM runs while the all-gather is in flight."""
     rank = group_rank(group)
@@ -171,7 +159,7 @@ def all_gather_linear(x, weight, bias, group, transport: str) -> tuple[torch.Ten
     return full, y
 
 
-def linear_reduce_scatter(x, weight, group, transport: str) -> torch.Tensor:
+def linear_reduce_scatter(x, weight, group, transport: Overlap) -> torch.Tensor:
     """F.linear(x, weight) [s, b, out] (a partial sum over tp) reduce-scattered along the
     sequence to [s/tp, b, out]; at tp = 2 the GEMMs run beside the exchange."""
     tp, rank = group_size(group), group_rank(group)
@@ -226,6 +214,6 @@ class _RowSequenceOverlap(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def row_parallel_overlap(x, weight, group, fuse: bool, transport: str) -> torch.Tensor:
+def row_parallel_overlap(x, weight, group, fuse: bool, transport: Overlap) -> torch.Tensor:
     """The row-parallel layer's GEMM and reduce-scatter under sequence parallelism, overlapped."""
     return _RowSequenceOverlap.apply(x, weight, group, fuse, transport)
