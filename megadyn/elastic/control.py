@@ -6,9 +6,10 @@ process of the job connect to it as clients. Keys:
     request/next            id of the next request to write (a counter)
     request/<id>            JSON of an operator request (records.py `Request`)
     decision/<iteration>    the leader's decision for the step boundary after <iteration>:
-                            JSON {"epoch": n, "request": id} or "none"
+                            JSON {"epoch": n} or "none"
     epoch/<n>               JSON of reconfiguration n (records.py `Reconfiguration`, or `Finish`
                             at the end; standby processes wait on the next epoch's key)
+    rng/<n>/pp<p>/tp<t>     RNG streams handed over in reconfiguration n (rng_handover.py)
     result/<id>             JSON: {"status": "done"|"refused", "reason": ..., "layout": ...}
     state                   JSON the job publishes for `elastic_ctl.py show`
 

@@ -83,8 +83,7 @@ class ElasticController:
         interval = max(1, self.cfg.parallel.elastic_control_interval)
         if it % interval:
             return
-        leader = groups.grid.members[0]
-        if dist.get_rank() == leader:
+        if dist.get_rank() == groups.grid.members[0]:  # the leader
             self.channel.publish_state(
                 {
                     "iteration": it,
