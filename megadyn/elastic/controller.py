@@ -25,6 +25,7 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.elastic.control import NONE, ControlChannel
 from megadyn.elastic.description import DistOpt
+from megadyn.elastic.events import format_event, reconfiguration_event
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import Plan, plan_reshard
@@ -142,7 +143,9 @@ class ElasticController:
         return NONE
 
     # --- everyone: one reconfiguration, PLAN -> RESHARD -> REBUILD ---------------------------
-    def apply(self, rec: Reconfiguration | Finish, trainer):
+    def apply(
+        self, rec: Reconfiguration | Finish, trainer: ReshardableTrainer | None
+    ) -> ReshardableTrainer | None:
         """Carry out reconfiguration `rec`; returns the trainer this process runs next (or None
         for `Finish`); raises Released when this process leaves the layout."""
         self.epoch = rec.epoch
@@ -225,33 +228,18 @@ class ElasticController:
         self.live = [r for r in self.live if r not in rec.release]
         return trainer
 
-    def _report(self, change: _Change, trainer, times: tuple[float, float, float, float]):
+    def _report(self, change: _Change, trainer, times: tuple[float, ...]) -> None:
         """The timing event: kept in `events`; the last new member logs it and answers."""
-        rec, plan = change.rec, change.plan
-        t0, t_plan, t_reshard, t_done = times
-        event = {
-            "event": rec.event,
-            "epoch": self.epoch,
-            "iteration": rec.iteration,
-            "old": _describe(rec.old_layout),
-            "new": _describe(rec.layout),
-            "plan_s": round(t_plan - t0, 4),
-            "reshard_s": round(t_reshard - t_plan, 4),
-            "rebuild_s": round(t_done - t_reshard, 4),
-            "total_s": round(t_done - t0, 4),
-            "bytes_moved": plan.total_bytes,
-            "bytes_local": plan.local_bytes,
-            "max_rank_send_bytes": plan.max_send,
-        }
+        event = reconfiguration_event(change.rec, change.plan, times)
         self.events.append(event)
-        if dist.get_rank() == rec.members[-1]:  # one measurement: the log line, W&B, the answer
+        if dist.get_rank() == change.rec.members[-1]:  # one measurement: log line, W&B, answer
             self.print(format_event(event), flush=True)
             trainer.log_event("reconfiguration", event)
-            if rec.request is not None:
-                self.channel.answer(rec.request, {"status": "done", **event})
+            if change.rec.request is not None:
+                self.channel.answer(change.rec.request, {"status": "done", **event})
 
     # --- standby processes -------------------------------------------------------------------
-    def standby(self):
+    def standby(self) -> ReshardableTrainer | None:
         """Wait for the next reconfiguration that includes this process; return its trainer,
         or None when the job finished."""
         rank = dist.get_rank()
@@ -268,7 +256,7 @@ class ElasticController:
             if trainer is not None and rank in rec.members:
                 return trainer
 
-    def finish(self, trainer) -> None:
+    def finish(self, trainer: ReshardableTrainer | None) -> None:
         """The job is done: refuse the requests still queued (an operator's tool is waiting
         for an answer) and tell standby processes to exit."""
         if trainer is None or dist.get_rank() != trainer.groups.grid.members[0]:
@@ -287,19 +275,8 @@ class ElasticController:
         self.channel.publish_epoch(Finish(self.epoch + 1))
 
 
-def format_event(event: dict) -> str:
-    """The log line of a reconfiguration (tools/plot_run.py reads it)."""
-    return " elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items())
-
-
-def distopt_of(cfg, layout: Layout):
+def distopt_of(cfg, layout: Layout) -> DistOpt | None:
+    """How the job's distributed optimizer shards under `layout` (None: it is off)."""
     if not cfg.optimizer.use_distributed_optimizer:
         return None
     return DistOpt(bucket_size=default_bucket_size(cfg.parallel.overlap_grad_reduce, layout.dp))
-
-
-def _describe(layout: Layout) -> str:
-    s = f"tp{layout.tp}xpp{layout.pp}xdp{layout.dp}"
-    if layout.vpp > 1:
-        s += f"xvpp{layout.vpp}"
-    return s + ("+sp" if layout.sequence_parallel else "")
