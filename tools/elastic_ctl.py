@@ -18,6 +18,7 @@ import json
 import sys
 
 from megadyn.elastic.control import ControlChannel, connect
+from megadyn.elastic.records import Request, RequestError
 
 
 def main(argv=None) -> int:
@@ -46,26 +47,32 @@ def main(argv=None) -> int:
     )
     sc.add_argument("--at-iteration", type=int, default=0)
     a = p.parse_args(argv)
+    try:
+        request = None if a.command == "show" else request_of(a)
+    except RequestError as e:
+        p.error(str(e))
 
     channel = ControlChannel(connect(a.host, a.port, is_server=False, timeout_s=a.timeout))
-    if a.command == "show":
+    if request is None:
         print(json.dumps(channel.state(), indent=1))
         return 0
-    if a.command == "layout":
-        request = {"action": "layout", "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "sp": a.sp}
-        if a.members:
-            request["members"] = a.members
-    else:
-        request = {"action": "scale", "members": a.members, "release": a.release}
-    request["at_iteration"] = a.at_iteration
     rid = channel.submit(request)
-    print(f"request {rid} submitted: {json.dumps(request)}", flush=True)
+    print(f"request {rid} submitted: {request.to_json()}", flush=True)
     result = channel.result(rid, a.timeout)
     if result is None:
         print(f"no answer within {a.timeout:.0f} s (the request stays queued)", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=1))
     return 0 if result.get("status") == "done" else 2
+
+
+def request_of(a: argparse.Namespace) -> Request:
+    """The request the command line asks for (RequestError: refused before it is sent)."""
+    if a.command == "layout":
+        fields = dict(tp=a.tp, pp=a.pp, vpp=a.vpp, sp=a.sp, members=a.members)
+    else:
+        fields = dict(members=a.members, release=a.release)
+    return Request(action=a.command, at_iteration=a.at_iteration, **fields)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ Rank 0 of the job hosts the store on `--elastic-control-port`; `tools/elastic_ct
 process of the job connect to it as clients. Keys:
 
     request/next            id of the next request to write (a counter)
-    request/<id>            JSON of an operator request: {"action": "layout"|"scale", ...}
+    request/<id>            JSON of an operator request (records.py `Request`)
     decision/<iteration>    the leader's decision for the step boundary after <iteration>:
-                            JSON {"epoch": n, "request": id} or "none"
-    epoch/<n>               JSON of reconfiguration n: new layout and members (standby processes
-                            wait on the next epoch's key)
+                            JSON {"epoch": n} or "none"
+    epoch/<n>               JSON of reconfiguration n (records.py `Reconfiguration`, or `Finish`
+                            at the end; standby processes wait on the next epoch's key)
+    rng/<n>/pp<p>/tp<t>     RNG streams handed over in reconfiguration n (rng_handover.py)
     result/<id>             JSON: {"status": "done"|"refused", "reason": ..., "layout": ...}
     state                   JSON the job publishes for `elastic_ctl.py show`
 
@@ -24,6 +25,8 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from megadyn.elastic.records import Finish, Reconfiguration, Request, epoch_record
 
 NONE = "none"
 
@@ -68,10 +71,13 @@ class ControlChannel:
         self.store = store
 
     # --- operator side -----------------------------------------------------------------------
-    def submit(self, request: dict) -> int:
-        """Queue an operator request; returns its id."""
+    def submit(self, request: Request | dict) -> int:
+        """Queue an operator request (a dict is read as `Request.from_dict`, which raises
+        RequestError before anything is queued); returns its id."""
+        if not isinstance(request, Request):
+            request = Request.from_dict(request)
         rid = self.store.add("request/next", 1) - 1
-        _set_json(self.store, f"request/{rid}", request)
+        self.store.set(f"request/{rid}", request.to_json())
         return rid
 
     def result(self, rid: int, timeout_s: float) -> dict | None:
@@ -94,17 +100,18 @@ class ControlChannel:
     def mark_handled(self, rid: int) -> None:
         self.store.add("request/handled", 1)
 
-    def pending_request(self, handled: int) -> tuple[int, dict] | None:
-        """The oldest request with id >= `handled` that was fully written, if any."""
+    def pending_request(self, handled: int) -> tuple[int, str] | None:
+        """The oldest request with id >= `handled` that was fully written, if any, as its id
+        and its JSON (the leader decodes it: `Request.from_json`)."""
         if not self.store.check([f"request/{handled}"]):
             return None
-        return handled, _get_json(self.store, f"request/{handled}")
+        return handled, self.store.get(f"request/{handled}").decode()
 
     def decide(self, iteration: int, decision) -> None:
         _set_json(self.store, f"decision/{iteration}", decision)
 
-    def publish_epoch(self, epoch: int, plan: dict) -> None:
-        _set_json(self.store, f"epoch/{epoch}", plan)
+    def publish_epoch(self, record: Reconfiguration | Finish) -> None:
+        self.store.set(f"epoch/{record.epoch}", record.to_json())
 
     def answer(self, rid: int, result: dict) -> None:
         _set_json(self.store, f"result/{rid}", result)
@@ -117,11 +124,11 @@ class ControlChannel:
         """Block until the leader decided for `iteration`."""
         return _get_json(self.store, f"decision/{iteration}")
 
-    def epoch(self, n: int) -> dict:
+    def epoch(self, n: int) -> Reconfiguration | Finish:
         """Reconfiguration `n` (published before the decision that names it)."""
-        return _get_json(self.store, f"epoch/{n}")
+        return epoch_record(self.store.get(f"epoch/{n}").decode())
 
-    def wait_epoch(self, n: int, poll_s: float = 0.01) -> dict:
+    def wait_epoch(self, n: int, poll_s: float = 0.01) -> Reconfiguration | Finish:
         """Block, for as long as it takes, until reconfiguration `n` is published (polled: a
         store wait that times out prints a warning each time, and a standby process may wait
         for hours)."""

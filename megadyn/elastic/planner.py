@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megadyn.core.layout import Layout
 from megadyn.elastic.description import DistOpt, HeldPiece, StateDescription, describe
@@ -103,9 +104,23 @@ class Plan:
         return out
 
 
-# A fragment: (key, dst, nbytes, src anchor, src run shape, src index, dst region, holders),
-# holders [(rank, start of its flat range)]; holder r reads LocalRegion(anchor - start, ...).
-_Fragment = tuple
+class _Fragment(NamedTuple):
+    """A region of one new piece that lies in one atom of the old pieces: what one Transfer
+    delivers, before its source is chosen among the atom's holders."""
+
+    key: str
+    dst: int
+    nbytes: int
+    anchor: int
+    """Flat index, in the old pieces' box, of the run the source reads from."""
+    shape: tuple[int, ...]
+    """Shape of that run."""
+    index: tuple[tuple[int, int], ...]
+    """The fragment's (start, end) per dimension of the run."""
+    dst_region: LocalRegion
+    holders: list[tuple[int, int]]
+    """(rank, start of its flat range), sorted by rank; holder r reads
+    LocalRegion(anchor - start, shape, index)."""
 
 
 def _atoms(holders: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -155,7 +170,9 @@ def _cut(p: HeldPiece, dst: int, itemsize: int, atoms, segments, key, out) -> in
                 if lo < hi:
                     n = hi - lo
                     dst_region = LocalRegion(lo - p.start, (n,), ((0, n),))
-                    out.append((key, dst, n * itemsize, lo, (n,), ((0, n),), dst_region, hs))
+                    out.append(
+                        _Fragment(key, dst, n * itemsize, lo, (n,), ((0, n),), dst_region, hs)
+                    )
                     covered += n
             continue
         if intersect(*rect_o, *rect_n) is None:
@@ -181,7 +198,16 @@ def _cut(p: HeldPiece, dst: int, itemsize: int, atoms, segments, key, out) -> in
                     dst_region = LocalRegion(ns.flat_start - p.start, ns.shape, dst_index)
                     n = math.prod(shape)
                     out.append(
-                        (key, dst, n * itemsize, os.flat_start, os.shape, src_index, dst_region, hs)
+                        _Fragment(
+                            key,
+                            dst,
+                            n * itemsize,
+                            os.flat_start,
+                            os.shape,
+                            src_index,
+                            dst_region,
+                            hs,
+                        )
                     )
                     covered += n
     return covered
@@ -189,13 +215,13 @@ def _cut(p: HeldPiece, dst: int, itemsize: int, atoms, segments, key, out) -> in
 
 def _assign(fragments: list[_Fragment], choose) -> list[Transfer]:
     """One Transfer per fragment, sources picked by `choose(fragment)` largest first."""
-    order = sorted(range(len(fragments)), key=lambda i: -fragments[i][2])
+    order = sorted(range(len(fragments)), key=lambda i: -fragments[i].nbytes)
     chosen: list[Transfer | None] = [None] * len(fragments)
     for i in order:
-        key, dst, nbytes, anchor, shape, index, dst_region, hs = fragments[i]
-        src, start = choose(fragments[i])
-        src_region = LocalRegion(anchor - start, shape, index)
-        chosen[i] = Transfer(src, dst, key, src_region, dst_region, nbytes)
+        f = fragments[i]
+        src, start = choose(f)
+        src_region = LocalRegion(f.anchor - start, f.shape, f.index)
+        chosen[i] = Transfer(src, f.dst, f.key, src_region, f.dst_region, f.nbytes)
     return chosen  # in fragment order: key by key, as the new description lists them
 
 
@@ -204,7 +230,7 @@ def _balanced_chooser(hosts: Mapping[int, Hashable] | None):
     state = {"max": 0}
 
     def choose(fragment: _Fragment) -> tuple[int, int]:
-        dst, nbytes, hs = fragment[1], fragment[2], fragment[7]
+        dst, nbytes, hs = fragment.dst, fragment.nbytes, fragment.holders
         for r, s in hs:
             if r == dst:
                 return r, s
@@ -226,7 +252,7 @@ def _balanced_chooser(hosts: Mapping[int, Hashable] | None):
 
 def _lowest(prefer_local: bool):
     def choose(fragment: _Fragment) -> tuple[int, int]:
-        dst, hs = fragment[1], fragment[7]
+        dst, hs = fragment.dst, fragment.holders
         if prefer_local:
             for r, s in hs:
                 if r == dst:

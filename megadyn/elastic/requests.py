@@ -1,7 +1,7 @@
 """Turn an operator request into a new layout and member list, or refuse it with a reason.
 
-    {"action": "layout", "tp": 1, "pp": 2, "vpp": 1, "sp": false, "members": 4}
-    {"action": "scale", "members": 2, "release": false}     # release: exit instead of standby
+    Request(action="layout", tp=1, pp=2, vpp=1, sp=False, members=4)
+    Request(action="scale", members=2, release=False)       # release: exit instead of standby
 
 Members are kept in order; a scale-in keeps the first members, a scale-out adds standby
 processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, pp and vpp; under
@@ -15,6 +15,7 @@ import torch
 from megadyn.core.layout import Layout, LayoutError, canonical_members
 from megadyn.core.tensor_parallel.layers import vocab_range
 from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib
+from megadyn.elastic.records import Request
 
 
 def device_memory_gib(device_type: str) -> float | None:
@@ -23,29 +24,25 @@ def device_memory_gib(device_type: str) -> float | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
 
 
-def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost=None):
+def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], cost=None):
     """(new layout, new members, released ranks) for `request`; raises LayoutError to refuse."""
     members = list(groups.grid.members)
     standby = [r for r in live if r not in members]
     old = groups.layout
-    action = request.get("action", "layout")
-    if action == "layout":
-        tp, pp = int(request.get("tp", old.tp)), int(request.get("pp", old.pp))
-        n = int(request.get("members", len(members)))
-        if "dp" in request:
-            n = tp * pp * int(request["dp"])
-        layout = Layout.from_world(
-            n, tp, pp, int(request.get("vpp", 1)), bool(request.get("sp", False))
-        )
-    elif action == "scale":
-        n = int(request["members"])
+    if request.action == "layout":
+        tp = old.tp if request.tp is None else request.tp
+        pp = old.pp if request.pp is None else request.pp
+        n = len(members) if request.members is None else request.members
+        if request.dp is not None:
+            n = tp * pp * request.dp
+        layout = Layout.from_world(n, tp, pp, request.vpp, request.sp)
+    else:  # scale
+        n = request.members
         if cfg.parallel.elastic_layout == "pinned":
             layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
         else:
             device_type = "cuda" if groups.backend == "nccl" else "cpu"
             layout = plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
-    else:
-        raise LayoutError(f"unknown request action {action!r} (use 'layout' or 'scale')")
     if n < cfg.parallel.elastic_min_members:
         raise LayoutError(
             f"{n} members is below --elastic-min-members ({cfg.parallel.elastic_min_members})"
@@ -57,7 +54,7 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost
     new_members = members[:n] if n <= len(members) else members + standby[: n - len(members)]
     new_members = list(canonical_members(layout, new_members))
     check_layout(layout, model_cfg, cfg)
-    released = [r for r in members if r not in new_members] if request.get("release") else []
+    released = [r for r in members if r not in new_members] if request.release else []
     return layout, new_members, released
 
 

@@ -1,0 +1,47 @@
+"""The timing event of a reconfiguration, and its log line.
+
+    event = reconfiguration_event(rec, plan, (t0, t_plan, t_reshard, t_done))
+    print(format_event(event))   #  elastic: event: layout | epoch: 1 | iteration: 2 | old: ...
+
+The event is what the controller keeps in `events`, reports to W&B, answers the operator's
+request with, and prints as one log line (tools/plot_run.py reads it): the phases' seconds
+(plan_s, reshard_s, rebuild_s, total_s) and the plan's bytes.
+"""
+
+from __future__ import annotations
+
+from megadyn.core.layout import Layout
+from megadyn.elastic.planner import Plan
+from megadyn.elastic.records import Reconfiguration
+
+
+def reconfiguration_event(rec: Reconfiguration, plan: Plan, times: tuple[float, ...]) -> dict:
+    """`times`: perf_counter at the start, after PLAN, after RESHARD and after REBUILD."""
+    t0, t_plan, t_reshard, t_done = times
+    return {
+        "event": rec.event,
+        "epoch": rec.epoch,
+        "iteration": rec.iteration,
+        "old": describe_layout(rec.old_layout),
+        "new": describe_layout(rec.layout),
+        "plan_s": round(t_plan - t0, 4),
+        "reshard_s": round(t_reshard - t_plan, 4),
+        "rebuild_s": round(t_done - t_reshard, 4),
+        "total_s": round(t_done - t0, 4),
+        "bytes_moved": plan.total_bytes,
+        "bytes_local": plan.local_bytes,
+        "max_rank_send_bytes": plan.max_send,
+    }
+
+
+def format_event(event: dict) -> str:
+    """The log line of a reconfiguration (tools/plot_run.py reads it)."""
+    return " elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items())
+
+
+def describe_layout(layout: Layout) -> str:
+    """tp2xpp2xdp1, with xvpp2 and +sp when they apply."""
+    s = f"tp{layout.tp}xpp{layout.pp}xdp{layout.dp}"
+    if layout.vpp > 1:
+        s += f"xvpp{layout.vpp}"
+    return s + ("+sp" if layout.sequence_parallel else "")

@@ -1,0 +1,201 @@
+"""The records that travel through the control store, as types with a JSON form.
+
+    request = Request(action="layout", tp=1, pp=2, at_iteration=20)   # tools/elastic_ctl.py
+    channel.submit(request)                                 # stores request.to_json()
+    Request.from_json(text)                                 # the leader; RequestError: refused
+
+    rec = Reconfiguration(epoch=1, event="layout", layout=..., members=(0, 1), ...)
+    channel.publish_epoch(rec)                              # every process acts on it
+    epoch_record(text)                                      # Reconfiguration or Finish
+
+A request is checked when it is made and again when the leader reads it (another tool may have
+written the store), so a malformed one is refused with a reason naming the field; whether its
+layout can run this job is the leader's question (megadyn/elastic/requests.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megadyn.core.layout import Layout
+
+if TYPE_CHECKING:
+    from megadyn.elastic.protocol import ReshardableTrainer
+
+ACTIONS = ("layout", "scale")
+
+
+class RequestError(ValueError):
+    """A request the job cannot read; the message names the field."""
+
+
+def _read_object(text: str, what: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{what} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"{what} must be a JSON object, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Request:
+    """An operator request: a new layout, or a new number of processes.
+
+    "layout" takes tp, pp (None: as now), vpp, sp and members or dp (None: as many as now);
+    "scale" takes members and leaves the layout to --elastic-layout.
+    """
+
+    action: str = "layout"
+    """"layout" (the degrees given here) or "scale" (a process count)."""
+    tp: int | None = None
+    """Tensor-parallel size of the new layout (None: the current one)."""
+    pp: int | None = None
+    """Pipeline-parallel size of the new layout (None: the current one)."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank."""
+    sp: bool = False
+    """Sequence parallelism in the new layout."""
+    members: int | None = None
+    """Processes to use (a scale needs it; None for a layout: as many as now)."""
+    dp: int | None = None
+    """Data-parallel size of the new layout (instead of members: tp * pp * dp processes)."""
+    release: bool = False
+    """Processes left out exit instead of waiting as standby."""
+    at_iteration: int = 0
+    """Applied at the first step boundary at or after this iteration."""
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise RequestError(f"unknown request action {self.action!r} (use 'layout' or 'scale')")
+        for name in ("tp", "pp", "vpp", "members", "dp"):
+            value = getattr(self, name)
+            optional = value is None and name != "vpp"  # None: as now
+            if not optional and (type(value) is not int or value < 1):
+                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        if type(self.at_iteration) is not int or self.at_iteration < 0:
+            raise RequestError(f"at_iteration must be an integer >= 0, got {self.at_iteration!r}")
+        for name in ("sp", "release"):
+            if type(getattr(self, name)) is not bool:
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.members is not None and self.dp is not None:
+            raise RequestError("give members or dp, not both")
+        if self.action == "scale":
+            if self.members is None:
+                raise RequestError("a scale request needs members")
+            given = [n for n in ("tp", "pp", "dp") if getattr(self, n) is not None]
+            given += ["vpp"] * (self.vpp != 1) + ["sp"] * self.sp
+            if given:
+                raise RequestError(
+                    f"a scale request takes no {', '.join(given)} (its layout follows "
+                    "--elastic-layout; a layout request sets the degrees)"
+                )
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        return json.dumps({k: v for k, v in fields.items() if v is not None})
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> Request:
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise RequestError(f"unknown request field(s) {', '.join(map(repr, unknown))}")
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> Request:
+        """The request stored as `text`; raises RequestError naming what is wrong."""
+        return cls.from_dict(_read_object(text, "the request"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reconfiguration:
+    """Reconfiguration `epoch`: the new layout and members every process acts on at one step
+    boundary, and the layout-free scalars the new layout goes on from."""
+
+    epoch: int
+    request: int | None = None
+    """The operator request it answers (None: not asked for through the control store)."""
+    event: str = "layout"
+    """What asked for it: the request's action."""
+    layout: Layout
+    members: tuple[int, ...]
+    release: tuple[int, ...] = ()
+    """Processes that leave the job (they exit) rather than wait as standby."""
+    old_layout: Layout
+    old_members: tuple[int, ...]
+    training: dict
+    """The JSON of the trainer's TrainingState (progress, schedule, optimizer step, scaler)."""
+    vocab_size: int
+    """The model's vocabulary as trained (the tokenizer's)."""
+
+    @property
+    def iteration(self) -> int:
+        """The iteration after which the layout changes."""
+        return self.training["state"]["iteration"]
+
+    def to_json(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["layout"] = dataclasses.asdict(self.layout)
+        fields["old_layout"] = dataclasses.asdict(self.old_layout)
+        return json.dumps(fields)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> Reconfiguration:
+        return cls(
+            **{
+                **fields,
+                "layout": Layout(**fields["layout"]),
+                "old_layout": Layout(**fields["old_layout"]),
+                "members": tuple(fields["members"]),
+                "release": tuple(fields["release"]),
+                "old_members": tuple(fields["old_members"]),
+            }
+        )
+
+
+def reconfiguration(
+    trainer: ReshardableTrainer,
+    epoch: int,
+    layout: Layout,
+    members,
+    release,
+    *,
+    event: str = "layout",
+    request: int | None = None,
+) -> Reconfiguration:
+    """The record every process acts on: new layout and members, and the layout-free scalars."""
+    return Reconfiguration(
+        epoch=epoch,
+        request=request,
+        event=event,
+        layout=layout,
+        members=tuple(members),
+        release=tuple(release),
+        old_layout=trainer.groups.layout,
+        old_members=tuple(trainer.groups.grid.members),
+        training=trainer.training_state_dict(),
+        vocab_size=trainer.model_cfg.vocab_size,
+    )
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The last epoch: the job is done and standby processes exit."""
+
+    epoch: int
+
+    def to_json(self) -> str:
+        return json.dumps({"epoch": self.epoch, "event": "finish"})
+
+
+def epoch_record(text: str) -> Reconfiguration | Finish:
+    """The record the control store holds for one epoch."""
+    fields = json.loads(text)
+    if fields.get("event") == "finish":
+        return Finish(fields["epoch"])
+    return Reconfiguration.from_dict(fields)
