@@ -1,14 +1,8 @@
-"""tools/trace_overlap.py: exposed communication and idle time from a kernel timeline."""
-
-import importlib.util
-from pathlib import Path
+"""megadyn/bench/trace_overlap.py: exposed communication and idle time from a kernel timeline."""
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "trace_overlap.py"
-spec = importlib.util.spec_from_file_location("trace_overlap", TOOL)
-trace_overlap = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(trace_overlap)
+from megadyn.bench import trace_overlap
 
 
 def kernel(name, ts, dur, pid=0):

@@ -28,7 +28,7 @@ from megadyn.convert.errors import ConversionError
 from megadyn.convert.hf_files import read_json
 from megadyn.models.config import GPTConfig
 from megadyn.models.sharding import ParamSpec, param_specs
-from megadyn.training.checkpoint import STATE_FILE, TRACKER, iter_dir, latest_checkpoint
+from megadyn.training.checkpoint_dirs import STATE_FILE, TRACKER, iter_dir, latest_checkpoint
 from megadyn.training.checkpoint_items import OPTIM_KEYS
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"

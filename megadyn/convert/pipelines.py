@@ -40,7 +40,7 @@ from megadyn.convert.megadyn_files import (
 )
 from megadyn.convert.output_dir import atomic_directory, check_output_dir
 from megadyn.models.config import GPTConfig
-from megadyn.training.checkpoint import TRACKER, iter_dir
+from megadyn.training.checkpoint_dirs import TRACKER, iter_dir
 from megadyn.training.config import DataConfig
 
 ARCH_NAMES = {"GPT": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}

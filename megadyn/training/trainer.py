@@ -11,7 +11,6 @@ size do not depend on the layout.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
@@ -20,23 +19,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadyn.core.distributed import (
-    DistributedDataParallel,
-    default_bucket_size,
-    finalize_model_grads,
-)
-from megadyn.core.optimizer import build_optimizer
-from megadyn.core.pipeline import (
-    MicroBatchGraph,
-    PipelineConfig,
-    check_cuda_graph,
-    forward_backward,
-)
-from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
+from megadyn.core.distributed import finalize_model_grads
+from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.data.sampler import micro_batch_indices
-from megadyn.models import build_gpt_chunks, lm_loss
+from megadyn.models import lm_loss
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
+from megadyn.training.build import build_model_parts, no_sync
 from megadyn.training.checkpoint_items import (
     rng_items,
     rng_streams,
@@ -58,10 +47,6 @@ from megadyn.training.scheduler import LRScheduler
 from megadyn.training.snapshot_keeper import SnapshotKeeper, resume
 from megadyn.training.state import TrainingState, TrainState
 from megadyn.training.wandb_logger import create_wandb_logger
-
-
-def ddp_bucket_size(cfg: MegadynConfig, dp: int) -> int | None:
-    return default_bucket_size(cfg.parallel.overlap_grad_reduce, dp)
 
 
 class Trainer:
@@ -102,44 +87,21 @@ class Trainer:
     def build(self, groups, init_weights: bool = True) -> None:
         """Model chunks, DDP wrappers, optimizer, scheduler and loaders for `groups` (again
         after a reconfiguration; the weights then come from `adopt_state`)."""
-        cfg, t = self.cfg, self.cfg.training
+        cfg = self.cfg
         self.groups = groups
         self.snapshots.staging = {}  # host buffers of the old layout's snapshots go
         self.microbatches.check_dp_size(groups.dp_size)
-        seed_default_generator(t.seed, groups.pp_rank, self.device)
-        self.tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, self.device)
-        self.chunks = build_gpt_chunks(
-            self.model_cfg,
-            groups,
-            recompute_cfg=t.recompute,
-            tracker=self.tracker,
-            seed=t.seed if init_weights else None,
-            device=self.device,
+        parts = build_model_parts(
+            cfg, self.model_cfg, groups, self.device, init_weights=init_weights
         )
-        p = cfg.parallel
-        self.ddp = [
-            DistributedDataParallel(
-                c,
-                groups.dp_group,
-                overlap_grad_reduce=p.overlap_grad_reduce,
-                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                overlap_param_gather=p.overlap_param_gather,
-                bucket_size=ddp_bucket_size(cfg, groups.dp_size),
-            )
-            for c in self.chunks
-        ]
-        self.optimizer = build_optimizer(self.chunks, self.ddp, groups, cfg.optimizer)
+        self.tracker, self.chunks, self.ddp = parts.tracker, parts.chunks, parts.ddp
+        self.optimizer, self.pipeline_cfg = parts.optimizer, parts.pipeline_cfg
         previous = getattr(self, "scheduler", None)
         self.scheduler = LRScheduler.from_config(
             cfg.scheduler, cfg.optimizer, self.train_iters, optimizer=self.optimizer
         )
         if previous is not None:  # rebuilt under a new layout: the schedule goes on
             self.scheduler.load_state_dict(previous.state_dict())
-        self.pipeline_cfg = PipelineConfig(
-            hidden_size=self.model_cfg.hidden_size,
-            dtype=self.model_cfg.params_dtype,
-            scatter_gather_tensors_in_pipeline=p.scatter_gather_tensors_in_pipeline,
-        )
         self.train_loader = build_loader(
             self.data.train, cfg, groups.dp_rank, groups.dp_size, self.state.consumed_samples
         )
@@ -287,10 +249,7 @@ class Trainer:
 
     # --- one step ------------------------------------------------------------------------------
     def _no_sync(self):
-        stack = contextlib.ExitStack()
-        for d in self.ddp:
-            stack.enter_context(d.no_sync())
-        return stack
+        return no_sync(self.ddp)
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad()

@@ -8,9 +8,9 @@ import pytest
 from test_training_run import COMMON, close, train  # noqa: E402
 
 from megadyn.testing import run_pretrain, spawn
-from megadyn.training.checkpoint import (
+from megadyn.training.checkpoint import CheckpointError
+from megadyn.training.checkpoint_dirs import (
     TRACKER,
-    CheckpointError,
     checkpoint_at_step,
     find_checkpoint,
     latest_checkpoint,

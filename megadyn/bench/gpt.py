@@ -1,0 +1,304 @@
+"""Time megadyn's training step on the reference GPT shapes (tools/bench_gpt.py).
+
+    a = parse_args(description="...")         # the flags of the Megatron-Core reference script
+    device = init_distributed()
+    record = run_gpt_bench(a, device)         # the JSON record, the same on every rank
+
+The model, DDP wrappers, optimizer and pipeline config come from `build_model_parts`
+(megadyn/training/build.py), as in training; the batches are random tokens. The record has the
+reference script's fields and FLOPs formula, so numbers compare across frameworks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megadyn.bench.trace_overlap import summarize, write_kernels_csv
+from megadyn.core.distributed import finalize_model_grads
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.layout import Layout
+from megadyn.core.optimizer import OptimizerConfig
+from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
+from megadyn.core.recompute import RecomputeConfig
+from megadyn.models import GPTConfig
+from megadyn.training.build import ModelParts, build_model_parts, no_sync
+from megadyn.training.config import MegadynConfig, ParallelConfig, TrainingConfig
+
+SEED = 1234
+
+
+def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--gbs", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sp", action="store_true", help="sequence parallel")
+    p.add_argument(
+        "--attn", choices=["sdpa", "local"], default="sdpa", help="megadyn always uses sdpa"
+    )
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    # megadyn-only switches
+    p.add_argument("--no-overlap-grad-reduce", action="store_true")
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument(
+        "--no-overlap-param-gather",
+        action="store_true",
+        help="gather updated params right after the step instead of during the next forward",
+    )
+    p.add_argument(
+        "--no-grad-accumulation-fusion",
+        action="store_true",
+        help="weight gradients through param.grad and the DDP hook's add",
+    )
+    p.add_argument(
+        "--fused-loss",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the cross entropy through its Triton kernels (auto: on a GPU)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+        default="auto",
+        help="attention kernel (fused = cuDNN; auto = cuDNN first on Hopper)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        "--enable-cuda-graph",
+        dest="cuda_graph",
+        action="store_true",
+        help="replay each micro batch's forward and backward from a CUDA graph (pp 1)",
+    )
+    p.add_argument("--cuda-graph-warmup-steps", type=int, default=2)
+    p.add_argument(
+        "--gemm-sm-carveout",
+        type=int,
+        default=None,
+        help="SMs cuBLAS leaves free for the collectives beside its GEMMs (torch's experimental knob)",
+    )
+    p.add_argument(
+        "--tp-comm-overlap",
+        action="store_true",
+        help="under --sp: GEMMs split by sequence chunk beside the all-gathers / reduce-scatter",
+    )
+    p.add_argument("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"], default="nccl")
+    p.add_argument(
+        "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
+    )
+    return p.parse_args(argv)
+
+
+def job_config(a: argparse.Namespace) -> MegadynConfig:
+    """The reference script's job: bf16 weights with fp32 main weights, the distributed
+    optimizer, untied embeddings, lr 1e-4, seed 1234."""
+    model = GPTConfig.gpt2(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        ffn_hidden_size=4 * a.hidden,
+        vocab_size=a.vocab,
+        max_position_embeddings=a.seq,
+        untie_embeddings_and_output_weights=True,
+        params_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
+        fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
+        attention_backend=a.attention_backend,
+        tp_comm_overlap=a.tp_comm_overlap,
+        tp_comm_overlap_transport=a.tp_comm_overlap_transport,
+    )
+    recompute = dict(
+        none=RecomputeConfig(),
+        selective=RecomputeConfig("selective"),
+        full=RecomputeConfig("full", "uniform", 1),
+    )[a.recompute]
+    distopt = not a.no_distributed_optimizer
+    return MegadynConfig(
+        model=model,
+        parallel=ParallelConfig(
+            tp=a.tp,
+            pp=a.pp,
+            sequence_parallel=a.sp,
+            overlap_grad_reduce=not a.no_overlap_grad_reduce,
+            overlap_param_gather=not a.no_overlap_param_gather,
+        ),
+        training=TrainingConfig(
+            micro_batch_size=a.mbs,
+            global_batch_size=a.gbs,
+            seed=SEED,
+            recompute=recompute,
+            enable_cuda_graph=a.cuda_graph,
+            cuda_graph_warmup_steps=a.cuda_graph_warmup_steps,
+        ),
+        optimizer=OptimizerConfig(lr=1e-4, bf16=True, use_distributed_optimizer=distopt),
+    )
+
+
+def random_batches(a: argparse.Namespace, dp_rank: int, device):
+    """Micro batches of random tokens, different on each data-parallel rank."""
+    gen = torch.Generator(device=device).manual_seed(dp_rank + 7)
+    pos = torch.arange(a.seq, device=device).unsqueeze(0).expand(a.mbs, -1)
+    ones = torch.ones(a.mbs, a.seq, device=device)
+    while True:
+        tok = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=device, generator=gen)
+        yield dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=ones, position_ids=pos)
+
+
+def _loss(loss, batch):
+    return loss.float().mean()
+
+
+def training_step(parts: ModelParts, groups, batches, num_micro: int, graph):
+    """One optimizer step over `num_micro` micro batches from `batches`, as a function."""
+
+    def step():
+        parts.optimizer.zero_grad()
+        forward_backward(
+            parts.ddp,
+            groups,
+            batches,
+            num_micro,
+            config=parts.pipeline_cfg,
+            loss_fn=_loss,
+            no_sync=lambda: no_sync(parts.ddp),
+            cuda_graph=graph,
+        )
+        finalize_model_grads(parts.ddp, groups)
+        parts.optimizer.step()
+
+    return step
+
+
+def time_steps(step, sync, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of `iters` steps after `warmup` steps, and of the warm-up steps."""
+    times, warmup_times = [], []
+    for i in range(warmup + iters):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        (times if i >= warmup else warmup_times).append(time.perf_counter() - t0)
+    return times, warmup_times
+
+
+def run_gpt_bench(a: argparse.Namespace, device) -> dict:
+    """Build the job of `a` over every process, time its steps (and profile two under
+    --profile), tear its groups down; the record that tools/bench_gpt.py prints."""
+    if a.gemm_sm_carveout is not None:
+        torch._C._set_sm_carveout_experimental(a.gemm_sm_carveout)
+    world = dist.get_world_size()
+    layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp)
+    groups = ParallelGroups.build(layout, range(world))
+    cfg = job_config(a)
+    parts = build_model_parts(cfg, cfg.model, groups, device)
+    data = random_batches(a, groups.dp_rank, device)
+    graph = None
+    if a.cuda_graph:
+        recompute_kind = None if a.recompute == "none" else a.recompute
+        check_cuda_graph(
+            pp=a.pp, vpp=a.vpp or 1, dropout=0.0, recompute=recompute_kind, device=device
+        )
+        graph = MicroBatchGraph(a.cuda_graph_warmup_steps)
+    step = training_step(parts, groups, data, a.gbs // (a.mbs * layout.dp), graph)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times, warmup_times = time_steps(step, sync, a.warmup, a.iters)
+    if a.profile:
+        profile(a, step, sync)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    mem = torch.tensor([peak], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    res = record(a, layout.dp, world, times, warmup_times, mem.item())
+    if graph is not None:
+        graph.reset()  # before its communicators go (NCCL waits for graphs that use them)
+    groups.destroy()
+    return res
+
+
+def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> dict:
+    """The reference script's fields: the run's shape, the median iteration, throughput and
+    MFU by its FLOPs formula, peak memory (the maximum over ranks)."""
+    ordered = sorted(times)
+    med = ordered[len(ordered) // 2]
+    s, n_layers, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs
+    flops = 72 * B * s * n_layers * h * h * (1 + s / (6 * h) + V / (12 * n_layers * h))
+    tflops = flops / med / world / 1e12
+    return dict(
+        framework="megadyn",
+        tp=a.tp,
+        pp=a.pp,
+        vpp=a.vpp,
+        dp=dp,
+        sp=a.sp,
+        cuda_graph=a.cuda_graph,
+        tp_comm_overlap=a.tp_comm_overlap,
+        tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,
+        gemm_sm_carveout=a.gemm_sm_carveout,
+        attn="sdpa",
+        attention_backend=a.attention_backend,
+        recompute=a.recompute,
+        layers=n_layers,
+        hidden=h,
+        seq=s,
+        mbs=a.mbs,
+        gbs=B,
+        iter_s=round(med, 4),
+        iters_s=[round(t, 3) for t in times],
+        warmup_iter_s=[round(t, 3) for t in warmup_times],  # the first includes one-time costs
+        tokens_per_s_per_gpu=round(B * s / med / world, 1),
+        tflops_per_gpu=round(tflops, 1),
+        mfu=round(tflops / a.peak_tflops, 4),
+        peak_mem_gib=round(peak_mem_gib, 2),
+    )
+
+
+def profile(a, step, sync) -> None:
+    """Two profiled iterations; rank 0 writes a kernel summary, its trace and how much of the
+    communication ran beside compute (trace_overlap.py) under `a.profile`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with torch_profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        sync()
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(a.profile, exist_ok=True)
+    name = f"tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}"
+    if a.tp_comm_overlap:
+        name += "_overlap" + ("_ce" if a.tp_comm_overlap_transport == "copy-engine" else "")
+    name += "_graph" if a.cuda_graph else ""
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+    with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
+        f.write(table)
+    print(table[:6000], flush=True)
+    trace_path = os.path.join(a.profile, f"{name}.json")
+    prof.export_chrome_trace(trace_path)
+    if not torch.cuda.is_available():
+        return
+    with open(trace_path) as f:
+        trace = json.load(f)
+    overlap = summarize(trace, steps=2)
+    write_kernels_csv(trace, os.path.join(a.profile, f"{name}_kernels.csv.gz"))
+    print("overlap per step (ms):", json.dumps(dict(run=name, **overlap)), flush=True)

@@ -1,0 +1,87 @@
+"""A layout's model: the parts one training step runs on, built from the job's config.
+
+    parts = build_model_parts(cfg, cfg.model, groups, device)
+    forward_backward(parts.ddp, groups, batches, n, config=parts.pipeline_cfg,
+                     no_sync=lambda: no_sync(parts.ddp), ...)
+    parts.optimizer.step()
+
+`Trainer.build` (trainer.py) and tools/bench_gpt.py both build through here, so a benchmark
+times the model, wrappers and optimizer that training runs. The seed is drawn in a fixed order
+(default generator, tracker, weights), so the same config gives the same weights every time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from megadyn.core.distributed import DistributedDataParallel, default_bucket_size
+from megadyn.core.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megadyn.core.pipeline import PipelineConfig
+from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
+from megadyn.models import GPTConfig, build_gpt_chunks
+from megadyn.training.config import MegadynConfig
+
+
+@dataclass
+class ModelParts:
+    """What one training step under a layout runs on."""
+
+    tracker: RNGTracker
+    """This rank's tensor-parallel RNG streams (dropout, weight init)."""
+    chunks: list[torch.nn.Module]
+    """The model chunks this rank holds, one per virtual pipeline stage."""
+    ddp: list[DistributedDataParallel]
+    """One data-parallel wrapper per chunk (gradient buffers and their reductions)."""
+    optimizer: MixedPrecisionOptimizer
+    """The optimizer over every chunk (fp32 main weights; distributed with ZeRO-1)."""
+    pipeline_cfg: PipelineConfig
+    """What the pipeline schedule sends between stages."""
+
+
+def build_model_parts(
+    cfg: MegadynConfig, model_cfg: GPTConfig, groups, device, *, init_weights: bool = True
+) -> ModelParts:
+    """Seed the RNG streams, then build `model_cfg`'s chunks for this rank of `groups`, their
+    DDP wrappers, the optimizer and the pipeline config. Without `init_weights` the weights are
+    left uninitialized (they come from a reshard or a checkpoint)."""
+    t, p = cfg.training, cfg.parallel
+    seed_default_generator(t.seed, groups.pp_rank, device)
+    tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, device)
+    chunks = build_gpt_chunks(
+        model_cfg,
+        groups,
+        recompute_cfg=t.recompute,
+        tracker=tracker,
+        seed=t.seed if init_weights else None,
+        device=device,
+    )
+    ddp = [
+        DistributedDataParallel(
+            c,
+            groups.dp_group,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            overlap_param_gather=p.overlap_param_gather,
+            bucket_size=default_bucket_size(p.overlap_grad_reduce, groups.dp_size),
+        )
+        for c in chunks
+    ]
+    optimizer = build_optimizer(chunks, ddp, groups, cfg.optimizer)
+    pipeline_cfg = PipelineConfig(
+        hidden_size=model_cfg.hidden_size,
+        dtype=model_cfg.params_dtype,
+        scatter_gather_tensors_in_pipeline=p.scatter_gather_tensors_in_pipeline,
+    )
+    return ModelParts(tracker, chunks, ddp, optimizer, pipeline_cfg)
+
+
+def no_sync(ddp: list[DistributedDataParallel]) -> contextlib.ExitStack:
+    """Every wrapper's `no_sync` at once: gradients accumulate over micro batches without
+    being reduced until the last one."""
+    stack = contextlib.ExitStack()
+    for d in ddp:
+        stack.enter_context(d.no_sync())
+    return stack
