@@ -253,6 +253,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     lg("--wandb-project")
     lg("--wandb-exp-name")
     lg("--wandb-save-dir")
+    lg("--metrics-file")
 
 
 def distributed_timeout(argv: Sequence[str]) -> timedelta:
