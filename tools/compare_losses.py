@@ -1,26 +1,27 @@
-"""Compare the per-iteration lm loss of training logs against a reference log.
+"""Compare the per-iteration lm loss of training runs against a reference run.
 
-    python tools/compare_losses.py ref.log other1.log other2.log
-Prints, for each log, the largest relative difference from the reference over the iterations
-both logged, and the first and last loss.
+    python tools/compare_losses.py ref/metrics.jsonl other1/metrics.jsonl other2/metrics.jsonl
+
+Reads the metrics files that pretrain_gpt.py writes (--metrics-file, default
+<--save>/metrics.jsonl). Prints, for each run, the largest relative difference from the
+reference over the iterations both logged, and the first and last loss.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+from megadyn.training.metrics_log import iterations, read_metrics
 
 
 def losses(path: str) -> dict[int, float]:
-    with open(path, errors="replace") as f:
-        return {int(m.group(1)): float(m.group(2)) for m in map(LINE.search, f) if m}
+    """lm loss by iteration (the last record of an iteration a resumed run logged again)."""
+    return {i: r["losses"]["lm loss"] for i, r in iterations(read_metrics(path)).items()}
 
 
 def main(paths: list[str]) -> None:
     ref = losses(paths[0])
-    print(f"{'log':<40} {'iters':>5} {'first':>9} {'last':>9} {'max rel diff vs ' + paths[0]:>20}")
+    print(f"{'run':<40} {'iters':>5} {'first':>9} {'last':>9} {'max rel diff vs ' + paths[0]:>20}")
     for p in paths:
         cur = losses(p)
         common = sorted(set(ref) & set(cur))

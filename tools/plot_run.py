@@ -1,41 +1,38 @@
 """Draw a PNG of loss and throughput against step, with each reconfiguration marked.
 
-    python tools/plot_run.py train.log --out run.png
+    python tools/plot_run.py ckpt/metrics.jsonl --out run.png
 
-Reads megadyn's log (the iteration lines and the ` elastic:` lines that pretrain_gpt.py prints);
-needs matplotlib (`pip install megadyn[tools]`).
+Reads the metrics file that pretrain_gpt.py writes (--metrics-file, default
+<--save>/metrics.jsonl): its iteration records and elastic reconfigurations; needs matplotlib
+(`pip install megadyn[tools]`).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
-ITERATION = re.compile(
-    r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?:.*?tokens/s: ([0-9.]+) \|)?"
-)
-ELASTIC = re.compile(
-    r"elastic: event: (\w+) \| epoch: \d+ \| iteration: (\d+) \| old: (\S+) \| new: (\S+)"
-)
+from megadyn.training.metrics_log import iterations, read_metrics
 
 
 def parse(path: str):
-    steps, losses, tput, events = [], [], [], []
-    with open(path, errors="replace") as f:
-        for line in f:
-            if m := ITERATION.search(line):
-                steps.append(int(m.group(1)))
-                losses.append(float(m.group(2)))
-                tput.append(float(m.group(3)) if m.group(3) else float("nan"))
-            elif m := ELASTIC.search(line):
-                events.append((int(m.group(2)), f"{m.group(3)} -> {m.group(4)}"))
+    records = read_metrics(path)
+    by_iteration = iterations(records)
+    steps = list(by_iteration)
+    losses = [r["losses"]["lm loss"] for r in by_iteration.values()]
+    tput = [r["tokens_per_sec"] for r in by_iteration.values()]
+    tput = [float("nan") if t is None else t for t in tput]
+    events = [
+        (r["iteration"], f"{r['old']} -> {r['new']}")
+        for r in records
+        if r["record"] == "reconfiguration"
+    ]
     return steps, losses, tput, events
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("log")
+    p.add_argument("metrics", help="metrics file (--metrics-file)")
     p.add_argument("--out", default="run.png")
     a = p.parse_args(argv)
     try:
@@ -46,9 +43,9 @@ def main(argv=None) -> int:
     except ImportError:
         print("plot_run.py needs matplotlib: pip install 'megadyn[tools]'", file=sys.stderr)
         return 2
-    steps, losses, tput, events = parse(a.log)
+    steps, losses, tput, events = parse(a.metrics)
     if not steps:
-        print(f"{a.log}: no iteration lines found", file=sys.stderr)
+        print(f"{a.metrics}: no iteration records found", file=sys.stderr)
         return 2
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
     ax1.plot(steps, losses, color="tab:blue")

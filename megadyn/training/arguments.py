@@ -7,7 +7,7 @@ Flags keep Megatron-LM's names, and its defaults, where the meaning is the same;
 are `--ckpt-keep-last` and the `--elastic-*` group. Each flag writes one config field
 (`dest="<section>.<field>"`) and takes its help text from that field's docstring, so the
 dataclasses in config.py are the one description of the job. Everything that cannot run raises
-`ConfigError` whose message starts with the flag to change.
+`ConfigError` whose message starts with the flag to change (the checks: validation.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from typing import Any
 import torch
 
 from megadyn.core.optimizer import OptimizerConfig
-from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
-from megadyn.elastic.requests import validate_for
+from megadyn.data import TOKENIZER_TYPES
 from megadyn.models.config import GPTConfig
 from megadyn.training.checkpoint import checkpoint_at_step
 from megadyn.training.config import (
@@ -44,7 +42,7 @@ from megadyn.training.config import (
     field_docs,
 )
 from megadyn.training.microbatches import MicroBatchCalculator
-from megadyn.training.scheduler import check_schedule
+from megadyn.training.validation import validate
 
 __all__ = [
     "ConfigError",
@@ -84,7 +82,7 @@ class _Group:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full command line of pretrain_gpt.py."""
+    """The full command line of pretrain_gpt.py, one group of flags per config section."""
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
         description="Train a GPT model with tensor, pipeline and data parallelism (megadyn).",
@@ -92,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         exit_on_error=False,
     )
+    _add_network_args(p)
+    _add_parallel_args(p)
+    _add_training_args(p)
+    _add_optimizer_args(p)
+    _add_scheduler_args(p)
+    _add_data_args(p)
+    _add_checkpoint_args(p)
+    _add_logging_args(p)
+    return p
+
+
+def _add_network_args(p: argparse.ArgumentParser) -> None:
     m = _Group(p, "model", "model", GPTConfig)
     m("--num-layers", type=int, default=None)
     m("--hidden-size", type=int, default=None)
@@ -120,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     extra("--group-query-attention", dest="flag.gqa", action="store_true", help="Use GQA.")
     extra("--swiglu", dest="flag.swiglu", action="store_true", help="SwiGLU MLP instead of GeLU.")
 
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     par = _Group(p, "parallel", "parallel", ParallelConfig)
     par("--tensor-model-parallel-size", "tp", type=int)
     par("--pipeline-model-parallel-size", "pp", type=int)
@@ -132,18 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
-    par("--elastic-initial-members", type=int)
-    par("--elastic-min-members", type=int)
-    par("--elastic-layout", choices=["auto", "pinned"])
-    par("--elastic-snapshot-interval", type=int)
-    par("--elastic-snapshot-dir")
-    par("--elastic-control-interval", type=int)
-    par("--elastic-reshard-chunk-mb", type=int)
-    par("--elastic-control-port", type=int)
-    par("--elastic-heartbeat-timeout", type=float)
-    par("--no-elastic-fork-server", "elastic_fork_server", action="store_false")
-    par("--distributed-timeout-minutes", type=int)
+    _add_elastic_args(par)
 
+
+def _add_elastic_args(el: _Group) -> None:
+    """megadyn's --elastic-* flags and the distributed timeout (shown with the parallel ones)."""
+    el("--elastic-initial-members", type=int)
+    el("--elastic-min-members", type=int)
+    el("--elastic-layout", choices=["auto", "pinned"])
+    el("--elastic-snapshot-interval", type=int)
+    el("--elastic-snapshot-dir")
+    el("--elastic-control-interval", type=int)
+    el("--elastic-reshard-chunk-mb", type=int)
+    el("--elastic-control-port", type=int)
+    el("--elastic-heartbeat-timeout", type=float)
+    el("--no-elastic-fork-server", "elastic_fork_server", action="store_false")
+    el("--distributed-timeout-minutes", type=int)
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
     t = _Group(p, "training", "training", TrainingConfig)
     t("--micro-batch-size", type=int, default=None)
     t("--global-batch-size", type=int, default=None)
@@ -161,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     r("--recompute-method", "method", choices=["uniform", "block"])
     r("--recompute-num-layers", "num_layers", type=int)
 
+
+def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     o = _Group(p, "optimizer and mixed precision", "optimizer", OptimizerConfig)
     o("--lr", type=float, default=None)
     o("--min-lr", type=float)
@@ -179,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     o("--use-distributed-optimizer", action="store_true")
     o("--log-num-zeros-in-grad", action="store_true")
 
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     s = _Group(p, "learning rate and weight decay schedules", "scheduler", SchedulerConfig)
     s("--lr-decay-style", choices=LR_DECAY_STYLES)
     s("--lr-decay-iters", type=int)
@@ -193,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     s("--override-opt_param-scheduler", action="store_true")
     s("--use-checkpoint-opt_param-scheduler", action="store_true")
 
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
     d = _Group(p, "data and tokenizer", "data", DataConfig)
     d("--data-path", nargs="*")
     d("--split")
@@ -206,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     d("--num-workers", type=int)
     d("--data-cache-path")
 
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     c = _Group(p, "checkpointing", "checkpoint", CheckpointConfig)
     c("--save")
     c("--load")
@@ -217,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     c("--finetune", action="store_true")
     c("--ckpt-step", type=int)
 
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
     lg = _Group(p, "logging", "logging", LoggingConfig)
     lg("--log-interval", type=int)
     lg("--log-throughput", action="store_true")
@@ -224,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg("--wandb-project")
     lg("--wandb-exp-name")
     lg("--wandb-save-dir")
-    return p
+    lg("--metrics-file")
 
 
 def distributed_timeout(argv: Sequence[str]) -> timedelta:
@@ -361,121 +390,6 @@ def _vocab_size(data: DataConfig) -> int:
     if data.tokenizer_type == "GPT2BPETokenizer":
         return GPT2_VOCAB_SIZE
     return data.vocab_size or GPTConfig.vocab_size
-
-
-def validate(cfg: MegadynConfig, world_size: int) -> None:
-    """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
-    model, par, train = cfg.model, cfg.parallel, cfg.training
-    members = par.members(world_size)
-    if not 1 <= members <= world_size:
-        raise ConfigError(
-            f"--elastic-initial-members ({members}) must be between 1 and the world size "
-            f"({world_size})"
-        )
-    if not 1 <= par.elastic_min_members <= members:
-        raise ConfigError(
-            f"--elastic-min-members ({par.elastic_min_members}) must be between 1 and the "
-            f"initial members ({members})"
-        )
-    per_stage = model.num_layers // par.pp
-    nlpvps = par.num_layers_per_virtual_pipeline_stage
-    if nlpvps is not None and (nlpvps < 1 or per_stage % nlpvps):
-        raise ConfigError(
-            f"--num-layers-per-virtual-pipeline-stage ({nlpvps}) must divide the layers per "
-            f"pipeline stage (--num-layers {model.num_layers} / "
-            f"--pipeline-model-parallel-size {par.pp} = {per_stage})"
-        )
-    try:
-        layout = cfg.layout(world_size)
-        validate_for(layout, model, cfg)
-    except ValueError as err:  # LayoutError
-        raise ConfigError.from_error(err) from err
-    dist_opt = cfg.optimizer.use_distributed_optimizer
-    if par.overlap_param_gather and not (dist_opt and par.overlap_grad_reduce):
-        raise ConfigError(
-            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
-        )
-    MicroBatchCalculator.from_config(train).check_dp_size(layout.dp)
-    rc = train.recompute
-    chunk_layers = model.num_layers // (layout.pp * layout.vpp)
-    if rc.granularity == "selective" and rc.num_layers is not None:
-        raise ConfigError("--recompute-num-layers is only used with --recompute-granularity full")
-    if rc.granularity == "full" and rc.num_layers > chunk_layers:
-        raise ConfigError(
-            f"--recompute-num-layers ({rc.num_layers}) exceeds the layers of one pipeline "
-            f"chunk ({chunk_layers})"
-        )
-    if model.tp_comm_overlap and not par.sequence_parallel:
-        raise ConfigError(
-            "--tp-comm-overlap overlaps sequence parallelism's collectives: it "
-            "needs --sequence-parallel"
-        )
-    if model.tp_comm_overlap_transport != "nccl" and not model.tp_comm_overlap:
-        raise ConfigError("--tp-comm-overlap-transport applies to --tp-comm-overlap: add it")
-    if train.enable_cuda_graph:
-        try:
-            check_cuda_graph(
-                pp=layout.pp,
-                vpp=layout.vpp,
-                dropout=max(model.hidden_dropout, model.attention_dropout),
-                recompute=rc.granularity,
-                device=None,
-            )
-            MicroBatchGraph(train.cuda_graph_warmup_steps)
-        except ValueError as err:
-            raise ConfigError.from_error(err) from err
-    check_schedule(cfg.scheduler, cfg.optimizer, train.train_iters)
-    _validate_data(cfg)
-    ckpt = cfg.checkpoint
-    if ckpt.save is not None and not (ckpt.save_interval and ckpt.save_interval > 0):
-        raise ConfigError("--save-interval (> 0) is required with --save")
-    if ckpt.keep_last is not None and ckpt.keep_last < 1:
-        raise ConfigError(f"--ckpt-keep-last must be >= 1, got {ckpt.keep_last}")
-    sched = cfg.scheduler
-    if sched.override_opt_param_scheduler and sched.use_checkpoint_opt_param_scheduler:
-        raise ConfigError(
-            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
-            "exclusive: the first goes on with the command line's schedule, the second with "
-            "the checkpoint's"
-        )
-    if par.distributed_timeout_minutes < 1:
-        raise ConfigError(
-            f"--distributed-timeout-minutes must be >= 1, got {par.distributed_timeout_minutes}"
-        )
-    if par.elastic_heartbeat_timeout < 0:
-        raise ConfigError(
-            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {par.elastic_heartbeat_timeout}"
-        )
-    if cfg.logging.log_interval < 1:
-        raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
-
-
-def _validate_data(cfg: MegadynConfig) -> None:
-    data = cfg.data
-    if data.mock_data and data.data_path is not None:
-        raise ConfigError("--data-path and --mock-data are exclusive")
-    if not data.mock_data and data.data_path is None:
-        raise ConfigError("--data-path is required (or --mock-data)")
-    try:
-        if data.data_path is not None:
-            parse_data_path(data.data_path)
-        parse_split(data.split)
-    except ValueError as err:
-        raise ConfigError.from_error(err) from err
-    if cfg.model.max_position_embeddings < data.seq_length:
-        raise ConfigError(
-            f"--max-position-embeddings ({cfg.model.max_position_embeddings}) must be at least "
-            f"--seq-length ({data.seq_length})"
-        )
-    if data.tokenizer_type is None:
-        raise ConfigError(f"--tokenizer-type is required: one of {', '.join(TOKENIZER_TYPES)}")
-    needs = {
-        "NullTokenizer": {"--vocab-size": data.vocab_size},
-        "GPT2BPETokenizer": {"--vocab-file": data.vocab_file, "--merge-file": data.merge_file},
-    }.get(data.tokenizer_type, {"--tokenizer-model": data.tokenizer_model})
-    for flag, value in needs.items():
-        if value is None:
-            raise ConfigError(f"{flag} is required with --tokenizer-type {data.tokenizer_type}")
 
 
 def dump_args(cfg: MegadynConfig) -> dict[str, Any]:

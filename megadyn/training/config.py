@@ -284,6 +284,10 @@ class LoggingConfig:
     """W&B run name (--wandb-exp-name)."""
     wandb_save_dir: str | None = None
     """Local directory of W&B files; default <--save>/wandb (--wandb-save-dir)."""
+    metrics_file: str | None = None
+    """JSON-lines file the logging rank appends the iteration metrics and elastic events to,
+    one record per --log-interval (tools/plot_run.py and tools/compare_losses.py read it);
+    default <--save>/metrics.jsonl, none without --save (--metrics-file)."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from megadyn.training.metrics import (
     model_flops_per_iteration,
     wandb_metrics,
 )
+from megadyn.training.metrics_log import MetricsLog
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.snapshot_keeper import SnapshotKeeper, resume
@@ -80,6 +81,7 @@ class Trainer:
         self.wandb = create_wandb_logger(
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
+        self.metrics_log = MetricsLog.from_config(self.cfg)  # on the logging rank of the time
         self.snapshots = SnapshotKeeper()
         self.build(groups, init_weights=init_weights)
 
@@ -211,6 +213,7 @@ class Trainer:
 
     def log_event(self, name: str, event: dict) -> None:
         self.wandb.log_event(name, event, step=event["iteration"])
+        self.metrics_log.event(name, event)
 
     @property
     def samples_drawn(self) -> list[int]:
@@ -389,6 +392,7 @@ class Trainer:
         line = format_iteration_line(stats, log_throughput=cfg.logging.log_throughput)
         self.print(line, flush=True)
         self.wandb.log(wandb_metrics(stats), step=s.iteration)
+        self.metrics_log.iteration(stats)
         return values
 
     def evaluate(self) -> float | None:

@@ -15,17 +15,19 @@ COMMON=(--num-layers 8 --hidden-size 1024 --num-attention-heads 8 --seq-length 2
 PLAIN=(--attention-backend flash --no-gradient-accumulation-fusion --no-cross-entropy-loss-fusion)
 run() {  # name nproc flags...
   local name=$1 n=$2; shift 2
-  torchrun --standalone --nproc-per-node "$n" pretrain_gpt.py "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1 \
+  rm -f "$OUT/$name.jsonl"  # appended to by pretrain_gpt.py
+  torchrun --standalone --nproc-per-node "$n" pretrain_gpt.py "${COMMON[@]}" "$@" \
+    --metrics-file "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1 \
     || { echo "FAILED $name"; tail -20 "$OUT/$name.log"; }
 }
 run plain 1 "${PLAIN[@]}"
 run fast 1
-logs=(plain.log fast.log)
+logs=(plain.jsonl fast.jsonl)
 if [ "${ABLATIONS:-1}" = 1 ]; then  # one switch at a time (ABLATIONS=0 skips them)
   run cudnn_attention 1 --attention-backend fused --no-gradient-accumulation-fusion --no-cross-entropy-loss-fusion
   run wgrad_fusion 1 --attention-backend flash --no-cross-entropy-loss-fusion
   run fused_loss 1 --attention-backend flash --no-gradient-accumulation-fusion
-  logs+=(cudnn_attention.log wgrad_fusion.log fused_loss.log)
+  logs+=(cudnn_attention.jsonl wgrad_fusion.jsonl fused_loss.jsonl)
 fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   run tp2 2 --tensor-model-parallel-size 2
@@ -33,7 +35,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   run tp2_sp_fast 2 --tensor-model-parallel-size 2 --sequence-parallel
   run dp2_plain 2 "${PLAIN[@]}"
   run dp2_param_overlap 2 "${PLAIN[@]}" --overlap-param-gather
-  logs+=(tp2.log tp2_sp_plain.log tp2_sp_fast.log dp2_plain.log dp2_param_overlap.log)
+  logs+=(tp2.jsonl tp2_sp_plain.jsonl tp2_sp_fast.jsonl dp2_plain.jsonl dp2_param_overlap.jsonl)
 fi
 cd "$OUT" && python3 "$OLDPWD/tools/compare_losses.py" "${logs[@]}"
-[ -f dp2_plain.log ] && python3 "$OLDPWD/tools/compare_losses.py" dp2_plain.log dp2_param_overlap.log
+[ -f dp2_plain.jsonl ] && python3 "$OLDPWD/tools/compare_losses.py" dp2_plain.jsonl dp2_param_overlap.jsonl

@@ -12,7 +12,9 @@ COMMON=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 
   --attention-dropout 0 --seed 1234)
 run() {  # name nproc flags...
   local name=$1 n=$2; shift 2
-  torchrun --standalone --nproc-per-node "$n" pretrain_gpt.py "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1 \
+  rm -f "$OUT/$name.jsonl"  # appended to by pretrain_gpt.py
+  torchrun --standalone --nproc-per-node "$n" pretrain_gpt.py "${COMMON[@]}" "$@" \
+    --metrics-file "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1 \
     || { echo "FAILED $name"; tail -20 "$OUT/$name.log"; }
 }
 run tp1 1
@@ -21,4 +23,4 @@ run tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel
 run tp2_pp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 run pp2_vpp2 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2
 run tp2_sp_dp2_distopt 4 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
-cd "$OUT" && python3 "$OLDPWD/tools/compare_losses.py" tp1.log tp2.log tp2_sp.log tp2_pp2.log pp2_vpp2.log tp2_sp_dp2_distopt.log
+cd "$OUT" && python3 "$OLDPWD/tools/compare_losses.py" tp1.jsonl tp2.jsonl tp2_sp.jsonl tp2_pp2.jsonl pp2_vpp2.jsonl tp2_sp_dp2_distopt.jsonl

@@ -31,7 +31,7 @@ FLAGS = [
     "--init-method-std", "--initial-loss-scale", "--load", "--log-interval", "--log-num-zeros-in-grad", "--log-throughput",
     "--loss-scale", "--loss-scale-window", "--lr", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-fraction",
     "--lr-warmup-init", "--lr-warmup-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
-    "--make-vocab-size-divisible-by", "--max-position-embeddings", "--merge-file",
+    "--make-vocab-size-divisible-by", "--max-position-embeddings", "--merge-file", "--metrics-file",
     "--micro-batch-size", "--min-loss-scale", "--min-lr", "--mock-data", "--no-load-optim",
     "--no-load-rng", "--no-scatter-gather-tensors-in-pipeline", "--norm-epsilon",
     "--normalization", "--num-attention-heads", "--num-layers",

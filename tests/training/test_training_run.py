@@ -1,7 +1,8 @@
 """End-to-end training through pretrain_gpt.main on CPU: resume under other layouts, the
-distributed optimizer, data-parallel equivalence, W&B offline logging."""
+distributed optimizer, data-parallel equivalence, W&B offline logging, the metrics file."""
 
 import os
+import re
 
 import pytest
 
@@ -129,6 +130,27 @@ def test_wandb_offline_run_holds_losses(tmp_path, monkeypatch):
     assert len(runs) == 1
     logged = [row["lm loss"] for row in read_offline_history(runs[0]) if "lm loss" in row]
     close(logged, losses, rtol=1e-6)
+
+
+def test_metrics_file_holds_the_printed_losses_across_a_resume(tmp_path, capfd):
+    """The logging rank alone appends one record per --log-interval to <--save>/metrics.jsonl,
+    with the lm loss printed in the iteration line; a run resumed after a kill that cut the last
+    line short goes on in the same file."""
+    from megadyn.training.metrics_log import read_metrics
+
+    save = str(tmp_path / "ckpt")
+    flags = ("--log-interval", "2", "--save", save, "--save-interval", "2")
+    train(2, *flags, "--exit-interval", "4")  # records at iterations 2 and 4
+    path = os.path.join(save, "metrics.jsonl")
+    with open(path, "a") as f:
+        f.write('{"record": "iteration", "time": "2026-11-26T17:30:01", "iteration": 5, "lo')
+    train(2, *flags, "--load", save)  # from iteration 4: a record at 6
+    printed = re.findall(r" iteration +(\d+)/ +6 \|.*? lm loss: (\S+) \|", capfd.readouterr().out)
+    records = read_metrics(path)
+    assert [r["iteration"] for r in records] == [2, 4, 6]
+    assert [(str(r["iteration"]), f"{r['losses']['lm loss']:.6E}") for r in records] == printed
+    assert [r["consumed_samples"] for r in records] == [8, 16, 24]
+    assert all(r["record"] == "iteration" and r["train_iters"] == 6 for r in records)
 
 
 def test_the_loss_scale_reaches_the_backward_pass():

@@ -1,0 +1,165 @@
+"""Checks of a whole `MegadynConfig` before a job starts: what cannot run is a `ConfigError`
+whose message starts with the flag to change.
+
+    cfg = parse_config(argv, world_size)     # arguments.py: flags -> config
+    validate(cfg, world_size)                # raises ConfigError("--flag ...")
+
+`arguments.parse_args` runs both; code that builds a config without a command line (tests, the
+default job, the elastic planner) calls `validate` itself.
+"""
+
+from __future__ import annotations
+
+from megadyn.core.layout import Layout
+from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
+from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
+from megadyn.elastic.requests import validate_for
+from megadyn.training.config import ConfigError, MegadynConfig, ParallelConfig
+from megadyn.training.microbatches import MicroBatchCalculator
+from megadyn.training.scheduler import check_schedule
+
+__all__ = ["validate"]
+
+
+def validate(cfg: MegadynConfig, world_size: int) -> None:
+    """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
+    _validate_members(cfg.parallel, world_size)
+    layout = _validate_layout(cfg, world_size)
+    _validate_recompute(cfg, layout)
+    _validate_kernels(cfg, layout)
+    check_schedule(cfg.scheduler, cfg.optimizer, cfg.training.train_iters)
+    _validate_data(cfg)
+    _validate_checkpoint(cfg)
+    _validate_timeouts(cfg.parallel)
+    if cfg.logging.log_interval < 1:
+        raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
+
+
+def _validate_members(par: ParallelConfig, world_size: int) -> None:
+    members = par.members(world_size)
+    if not 1 <= members <= world_size:
+        raise ConfigError(
+            f"--elastic-initial-members ({members}) must be between 1 and the world size "
+            f"({world_size})"
+        )
+    if not 1 <= par.elastic_min_members <= members:
+        raise ConfigError(
+            f"--elastic-min-members ({par.elastic_min_members}) must be between 1 and the "
+            f"initial members ({members})"
+        )
+
+
+def _validate_layout(cfg: MegadynConfig, world_size: int) -> Layout:
+    """The first layout, checked against the model, the optimizer and the batch sizes."""
+    model, par = cfg.model, cfg.parallel
+    per_stage = model.num_layers // par.pp
+    nlpvps = par.num_layers_per_virtual_pipeline_stage
+    if nlpvps is not None and (nlpvps < 1 or per_stage % nlpvps):
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage ({nlpvps}) must divide the layers per "
+            f"pipeline stage (--num-layers {model.num_layers} / "
+            f"--pipeline-model-parallel-size {par.pp} = {per_stage})"
+        )
+    try:
+        layout = cfg.layout(world_size)
+        validate_for(layout, model, cfg)
+    except ValueError as err:  # LayoutError
+        raise ConfigError.from_error(err) from err
+    dist_opt = cfg.optimizer.use_distributed_optimizer
+    if par.overlap_param_gather and not (dist_opt and par.overlap_grad_reduce):
+        raise ConfigError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+        )
+    MicroBatchCalculator.from_config(cfg.training).check_dp_size(layout.dp)
+    return layout
+
+
+def _validate_recompute(cfg: MegadynConfig, layout: Layout) -> None:
+    rc = cfg.training.recompute
+    chunk_layers = cfg.model.num_layers // (layout.pp * layout.vpp)
+    if rc.granularity == "selective" and rc.num_layers is not None:
+        raise ConfigError("--recompute-num-layers is only used with --recompute-granularity full")
+    if rc.granularity == "full" and rc.num_layers > chunk_layers:
+        raise ConfigError(
+            f"--recompute-num-layers ({rc.num_layers}) exceeds the layers of one pipeline "
+            f"chunk ({chunk_layers})"
+        )
+
+
+def _validate_kernels(cfg: MegadynConfig, layout: Layout) -> None:
+    """--tp-comm-overlap and its transport, --enable-cuda-graph."""
+    model, train = cfg.model, cfg.training
+    if model.tp_comm_overlap and not cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            "--tp-comm-overlap overlaps sequence parallelism's collectives: it "
+            "needs --sequence-parallel"
+        )
+    if model.tp_comm_overlap_transport != "nccl" and not model.tp_comm_overlap:
+        raise ConfigError("--tp-comm-overlap-transport applies to --tp-comm-overlap: add it")
+    if train.enable_cuda_graph:
+        try:
+            check_cuda_graph(
+                pp=layout.pp,
+                vpp=layout.vpp,
+                dropout=max(model.hidden_dropout, model.attention_dropout),
+                recompute=train.recompute.granularity,
+                device=None,
+            )
+            MicroBatchGraph(train.cuda_graph_warmup_steps)
+        except ValueError as err:
+            raise ConfigError.from_error(err) from err
+
+
+def _validate_data(cfg: MegadynConfig) -> None:
+    data = cfg.data
+    if data.mock_data and data.data_path is not None:
+        raise ConfigError("--data-path and --mock-data are exclusive")
+    if not data.mock_data and data.data_path is None:
+        raise ConfigError("--data-path is required (or --mock-data)")
+    try:
+        if data.data_path is not None:
+            parse_data_path(data.data_path)
+        parse_split(data.split)
+    except ValueError as err:
+        raise ConfigError.from_error(err) from err
+    if cfg.model.max_position_embeddings < data.seq_length:
+        raise ConfigError(
+            f"--max-position-embeddings ({cfg.model.max_position_embeddings}) must be at least "
+            f"--seq-length ({data.seq_length})"
+        )
+    if data.tokenizer_type is None:
+        raise ConfigError(f"--tokenizer-type is required: one of {', '.join(TOKENIZER_TYPES)}")
+    needs = {
+        "NullTokenizer": {"--vocab-size": data.vocab_size},
+        "GPT2BPETokenizer": {"--vocab-file": data.vocab_file, "--merge-file": data.merge_file},
+    }.get(data.tokenizer_type, {"--tokenizer-model": data.tokenizer_model})
+    for flag, value in needs.items():
+        if value is None:
+            raise ConfigError(f"{flag} is required with --tokenizer-type {data.tokenizer_type}")
+
+
+def _validate_checkpoint(cfg: MegadynConfig) -> None:
+    """--save, --ckpt-keep-last, and which schedule goes on when a checkpoint is loaded."""
+    ckpt = cfg.checkpoint
+    if ckpt.save is not None and not (ckpt.save_interval and ckpt.save_interval > 0):
+        raise ConfigError("--save-interval (> 0) is required with --save")
+    if ckpt.keep_last is not None and ckpt.keep_last < 1:
+        raise ConfigError(f"--ckpt-keep-last must be >= 1, got {ckpt.keep_last}")
+    sched = cfg.scheduler
+    if sched.override_opt_param_scheduler and sched.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+            "exclusive: the first goes on with the command line's schedule, the second with "
+            "the checkpoint's"
+        )
+
+
+def _validate_timeouts(par: ParallelConfig) -> None:
+    if par.distributed_timeout_minutes < 1:
+        raise ConfigError(
+            f"--distributed-timeout-minutes must be >= 1, got {par.distributed_timeout_minutes}"
+        )
+    if par.elastic_heartbeat_timeout < 0:
+        raise ConfigError(
+            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {par.elastic_heartbeat_timeout}"
+        )
