@@ -31,8 +31,8 @@ from megadyn.core.pipeline import (
 )
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
+from megadyn.launch.distributed_init import init_distributed
 from megadyn.models import GPTConfig, build_gpt_chunks
-from megadyn.training.distributed_init import init_distributed
 
 
 def parse() -> argparse.Namespace:

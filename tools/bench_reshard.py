@@ -22,9 +22,9 @@ import torch.distributed as dist
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.elastic.controller import ElasticController, reconfiguration
+from megadyn.launch.distributed_init import init_distributed
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import parse_args
-from megadyn.training.distributed_init import init_distributed
 from megadyn.training.trainer import Trainer
 
 MODEL = (

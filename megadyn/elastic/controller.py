@@ -78,7 +78,7 @@ class ElasticController:
         """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
         `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
         weights uninitialized: they arrive through the reshard; the caller above this package
-        provides it (megadyn/training/elastic_runner.py)."""
+        provides it (megadyn/launch/run.py)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.epoch = 0

@@ -247,7 +247,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
 
 
 def parse_config(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
-    """Parse a command line without `validate` (megadyn/training/replan.py changes the layout
+    """Parse a command line without `validate` (megadyn/launch/replan.py changes the layout
     of a config that does not fit `world_size`, then validates it)."""
     try:
         ns, unknown = build_parser().parse_known_args(argv)

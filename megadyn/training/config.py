@@ -114,7 +114,7 @@ class ParallelConfig:
     elastic_fork_server: bool = True
     """Under torchrun with restarts allowed (--max-restarts > 0), keep one process per host
     with torch and megadyn imported, from which the workers of a restarted attempt fork
-    instead of importing again (megadyn/training/fork_server.py); --no-elastic-fork-server
+    instead of importing again (megadyn/launch/fork_server.py); --no-elastic-fork-server
     turns it off."""
     distributed_timeout_minutes: int = 10
     """Timeout of the default process group and of every group megadyn creates

@@ -22,9 +22,9 @@ from recovery_helpers import (  # noqa: E402
     workers_of,
 )
 
+from megadyn.launch.snapshots import HostMap, Transfer, choose
 from megadyn.testing import free_port, run_pretrain, spawn
 from megadyn.training.checkpoint import latest_checkpoint, missing_pieces
-from megadyn.training.snapshots import HostMap, Transfer, choose
 
 ITERS, INTERVAL = 16, 4
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]

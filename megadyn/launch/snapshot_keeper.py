@@ -1,9 +1,10 @@
 """The in-memory snapshots of one trainer, and where a (re)started job resumes from.
 
-    keeper = SnapshotKeeper()                  # one per Trainer
-    keeper.start(trainer)                      # every --elastic-snapshot-interval steps
-    keeper.poll(trainer)                       # every step boundary: finish when agreed
-    keeper.finish(trainer)                     # wait for the writers (reshard, end of run)
+    keeper = SnapshotKeeper(interval)          # one per Trainer: Trainer(..., hooks=[keeper])
+    keeper.after_step(trainer)                 # every step boundary: finish when agreed, and
+                                               # start one every --elastic-snapshot-interval
+    keeper.quiesce(trainer)                    # wait for the writers (before a reshard)
+    keeper.drop(trainer)                       # the run is done: the snapshot dir goes
     resume(trainer)                            # newest complete snapshot, else --load
 
 A snapshot is an asynchronous DCP checkpoint in this host's snapshot dir (host shared memory),
@@ -22,15 +23,36 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
+from megadyn.launch import snapshots, startup
 from megadyn.training import checkpoint as ckpt
-from megadyn.training import snapshots, startup
+from megadyn.training.hooks import StepHook
 
 
-class SnapshotKeeper:
-    def __init__(self) -> None:
+class SnapshotKeeper(StepHook):
+    """The snapshot schedule of one trainer, run as its step hook."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval  # --elastic-snapshot-interval
         self.pending: ckpt.PendingSave | None = None
         self.agreement: snapshots.FinishAgreement | None = None
         self.staging: dict = {}  # host buffers, kept while the layout is
+
+    def after_step(self, trainer) -> None:
+        """Finish the running snapshot where the members agreed to; start the next one every
+        `interval` iterations (not after the last)."""
+        self.poll(trainer)
+        it = trainer.state.iteration
+        if it % self.interval == 0 and it < trainer.train_iters:
+            self.start(trainer)
+
+    def quiesce(self, trainer) -> None:
+        self.finish(trainer)
+
+    def new_layout(self, trainer) -> None:
+        self.staging = {}  # host buffers of the old layout's snapshots go
+
+    def end(self, trainer) -> None:
+        self.finish(trainer)
 
     def start(self, trainer) -> None:
         """Begin a snapshot of the trainer's state at its current iteration."""
@@ -80,8 +102,6 @@ class SnapshotKeeper:
     def drop(self, trainer) -> None:
         """The run is done: every member removes its host's snapshot dir (collective over the
         members group, so that no rank still writes or reads one)."""
-        if not trainer.cfg.parallel.elastic_snapshot_interval:
-            return
         self.finish(trainer)
         dist.barrier(group=trainer.groups.members_group)
         root = snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir)
