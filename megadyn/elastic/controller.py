@@ -90,7 +90,7 @@ class ElasticController:
     def step_hook(self, trainer: ReshardableTrainer) -> None:
         groups = trainer.groups
         it = trainer.iteration
-        interval = max(1, self.cfg.parallel.elastic_control_interval)
+        interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
             return
         leader = groups.grid.members[0]
@@ -187,7 +187,7 @@ class ElasticController:
         new_state = {}
         if rank in span:
             local = trainer.export_state() if trainer is not None else {}
-            chunk_bytes = self.cfg.parallel.elastic_reshard_chunk_mb * 2**20
+            chunk_bytes = self.cfg.elastic.reshard_chunk_mb * 2**20
             new_state = execute_plan(
                 plan,
                 local.__getitem__,

@@ -39,17 +39,15 @@ def resolve_request(request: dict, model_cfg, cfg, groups, live: list[int], cost
         )
     elif action == "scale":
         n = int(request["members"])
-        if cfg.parallel.elastic_layout == "pinned":
+        if cfg.elastic.layout == "pinned":
             layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
         else:
             device_type = "cuda" if groups.backend == "nccl" else "cpu"
             layout = plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
     else:
         raise LayoutError(f"unknown request action {action!r} (use 'layout' or 'scale')")
-    if n < cfg.parallel.elastic_min_members:
-        raise LayoutError(
-            f"{n} members is below --elastic-min-members ({cfg.parallel.elastic_min_members})"
-        )
+    if n < cfg.elastic.min_members:
+        raise LayoutError(f"{n} members is below --elastic-min-members ({cfg.elastic.min_members})")
     if n > len(members) + len(standby):
         raise LayoutError(
             f"{n} members requested but only {len(members) + len(standby)} processes are live"

@@ -59,14 +59,14 @@ def main(argv: list[str] | None = None):
         print_fn=print if dist.get_rank() == 0 else None,
     )
     if fork_server.FORKED not in os.environ:  # this host had none ready: for later attempts
-        started = fork_server.start(enabled=cfg.parallel.elastic_fork_server)
+        started = fork_server.start(enabled=cfg.elastic.fork_server)
         if started and dist.get_rank() == 0:
             print(
                 " fork server: restarted workers fork from a pre-imported process on each host "
                 "(--no-elastic-fork-server turns it off)",
                 flush=True,
             )
-    watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # under torchrun only
+    watchdog = Watchdog.start(cfg.elastic.heartbeat_timeout)  # under torchrun only
     try:
         result = run(cfg, device, watchdog=watchdog)
     finally:
@@ -80,8 +80,8 @@ def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, controller_hook=No
     """The hooks the runtime gives a trainer, in the order they run at a step boundary: the
     snapshot schedule (--elastic-snapshot-interval), the heartbeats, the elastic controller."""
     hooks = []
-    if cfg.parallel.elastic_snapshot_interval:
-        hooks.append(SnapshotKeeper(cfg.parallel.elastic_snapshot_interval))
+    if cfg.elastic.snapshot_interval:
+        hooks.append(SnapshotKeeper(cfg.elastic.snapshot_interval))
     if watchdog is not None:
         hooks.append(watchdog.step_hook)
     if controller_hook is not None:
@@ -94,7 +94,7 @@ def control_channel(cfg: MegadynConfig) -> ControlChannel:
     port + 1), for the controller and tools/elastic_ctl.py."""
     env = torchrun_env.current()
     host = env.master_addr or "127.0.0.1"
-    port = cfg.parallel.elastic_control_port or (env.master_port or 29500) + 1
+    port = cfg.elastic.control_port or (env.master_port or 29500) + 1
     store = connect(host, port, is_server=dist.get_rank() == 0)
     dist.barrier()  # the server is up before anyone else uses the channel
     return ControlChannel(store)
@@ -106,7 +106,7 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
     drew and the reconfiguration events it took part in (a standby process trains only after
     it joins; after a torchrun restart the members start under the job's first layout)."""
     controller = None
-    if cfg.parallel.elastic:
+    if cfg.elastic.live:
 
         def make_trainer(groups, training: dict, step_hook):  # a standby process joins
             state = TrainingState.from_dict(training).progress

@@ -61,7 +61,7 @@ class SnapshotKeeper(StepHook):
         group = trainer.groups.members_group
         hosts = snapshots.HostMap.gather(group)
         self.pending = ckpt.save_checkpoint(
-            snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir),
+            snapshots.snapshot_root(trainer.cfg.elastic.snapshot_dir),
             trainer.state.iteration,
             trainer.chunks,
             trainer.optimizer,
@@ -104,7 +104,7 @@ class SnapshotKeeper(StepHook):
         members group, so that no rank still writes or reads one)."""
         self.finish(trainer)
         dist.barrier(group=trainer.groups.members_group)
-        root = snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir)
+        root = snapshots.snapshot_root(trainer.cfg.elastic.snapshot_dir)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -113,11 +113,11 @@ def resume(trainer) -> None:
     (copying pieces to the hosts that lack them), else from --load; the log says which and
     why. Snapshots that exist but lack a piece everywhere, with no disk checkpoint to fall back
     to, are an error rather than a fresh start."""
-    p, load = trainer.cfg.parallel, trainer.cfg.checkpoint.load
+    p, load = trainer.cfg.elastic, trainer.cfg.checkpoint.load
     disk = ckpt.find_checkpoint(load) if load else None
     say = trainer.print if trainer.logs else (lambda *a, **k: None)
-    found, root = snapshots.Recovery(), snapshots.snapshot_root(p.elastic_snapshot_dir)
-    if p.elastic_snapshot_interval:
+    found, root = snapshots.Recovery(), snapshots.snapshot_root(p.snapshot_dir)
+    if p.snapshot_interval:
         group = trainer.groups.members_group
         found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
     usable = found.iteration is not None
@@ -144,7 +144,7 @@ def resume(trainer) -> None:
             flush=True,
         )
     elif disk is not None:
-        if p.elastic_snapshot_interval and not usable:
+        if p.snapshot_interval and not usable:
             why = "".join(f" ({line})" for line in found.passed_over(root)[:1])
             say(
                 f" recovery: no complete in-memory snapshot{why}; falling back to the disk "

@@ -1,7 +1,7 @@
 """Heartbeats through torchrun's agent store: a hung rank is named, and the job restarts instead
 of waiting in a collective; a restarted job logs how long its recovery took.
 
-    watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # None unless under torchrun
+    watchdog = Watchdog.start(cfg.elastic.heartbeat_timeout)  # None unless under torchrun
     trainer = Trainer(cfg, groups, device, hooks=[watchdog.step_hook])
     trainer.train()
     watchdog.stop()                     # this rank is done: the others stop watching it

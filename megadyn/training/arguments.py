@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import tempfile
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,6 +34,7 @@ from megadyn.training.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    ElasticConfig,
     LoggingConfig,
     MegadynConfig,
     ParallelConfig,
@@ -132,17 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
-    par("--elastic-initial-members", type=int)
-    par("--elastic-min-members", type=int)
-    par("--elastic-layout", choices=["auto", "pinned"])
-    par("--elastic-snapshot-interval", type=int)
-    par("--elastic-snapshot-dir")
-    par("--elastic-control-interval", type=int)
-    par("--elastic-reshard-chunk-mb", type=int)
-    par("--elastic-control-port", type=int)
-    par("--elastic-heartbeat-timeout", type=float)
-    par("--no-elastic-fork-server", "elastic_fork_server", action="store_false")
     par("--distributed-timeout-minutes", type=int)
+
+    el = _Group(p, "elastic", "elastic", ElasticConfig)
+    el("--elastic-initial-members", "initial_members", type=int)
+    el("--elastic-min-members", "min_members", type=int)
+    el("--elastic-layout", "layout", choices=["auto", "pinned"])
+    el("--elastic-snapshot-interval", "snapshot_interval", type=int)
+    el("--elastic-snapshot-dir", "snapshot_dir")
+    el("--elastic-control-interval", "control_interval", type=int)
+    el("--elastic-reshard-chunk-mb", "reshard_chunk_mb", type=int)
+    el("--elastic-control-port", "control_port", type=int)
+    el("--elastic-heartbeat-timeout", "heartbeat_timeout", type=float)
+    el("--no-elastic-fork-server", "fork_server", action="store_false")
 
     t = _Group(p, "training", "training", TrainingConfig)
     t("--micro-batch-size", type=int, default=None)
@@ -276,10 +277,7 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
         if values[key] is None:
             raise ConfigError(f"{flag} is required")
     parallel = ParallelConfig(**_section(values, "parallel"))
-    if not parallel.elastic_snapshot_dir:  # host shared memory, named by torchrun's run id
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-        parallel = dataclasses.replace(parallel, elastic_snapshot_dir=f"{shm}/megadyn-{run_id}")
+    elastic = ElasticConfig(**_section(values, "elastic"))
     try:
         optimizer = OptimizerConfig(**_section(values, "optimizer"))
     except ValueError as err:
@@ -287,7 +285,7 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
     data = _section(values, "data")
     data["data_path"] = tuple(data["data_path"] or ()) or None
     data = DataConfig(**data)
-    training = _training(values, parallel, world_size)
+    training = _training(values, parallel, elastic.members(world_size))
 
     model = _section(values, "model")
     flags = _section(values, "flag")
@@ -313,6 +311,7 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
     return MegadynConfig(
         model=model,
         parallel=parallel,
+        elastic=elastic,
         training=training,
         optimizer=optimizer,
         scheduler=SchedulerConfig(**_section(values, "scheduler")),
@@ -330,7 +329,7 @@ def _checkpoint(values: dict[str, Any]) -> CheckpointConfig:
     return CheckpointConfig(**c)
 
 
-def _training(values: dict[str, Any], parallel: ParallelConfig, world_size: int) -> TrainingConfig:
+def _training(values: dict[str, Any], parallel: ParallelConfig, members: int) -> TrainingConfig:
     t = _section(values, "training")
     if (t["train_iters"] is None) == (t["train_samples"] is None):
         raise ConfigError("--train-iters: give exactly one of --train-iters and --train-samples")
@@ -339,7 +338,7 @@ def _training(values: dict[str, Any], parallel: ParallelConfig, world_size: int)
             raise ConfigError("--rampup-batch-size needs --train-samples (as in Megatron)")
         t["rampup_batch_size"] = tuple(t["rampup_batch_size"])
     if t["global_batch_size"] is None:  # Megatron: one micro batch per step
-        dp = max(1, parallel.members(world_size) // (parallel.tp * parallel.pp))
+        dp = max(1, members // (parallel.tp * parallel.pp))
         t["global_batch_size"] = t["micro_batch_size"] * dp
     try:
         t["recompute"] = RecomputeConfig(**_section(values, "recompute"))
@@ -365,16 +364,16 @@ def _vocab_size(data: DataConfig) -> int:
 
 def validate(cfg: MegadynConfig, world_size: int) -> None:
     """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
-    model, par, train = cfg.model, cfg.parallel, cfg.training
-    members = par.members(world_size)
+    model, par, train, el = cfg.model, cfg.parallel, cfg.training, cfg.elastic
+    members = el.members(world_size)
     if not 1 <= members <= world_size:
         raise ConfigError(
             f"--elastic-initial-members ({members}) must be between 1 and the world size "
             f"({world_size})"
         )
-    if not 1 <= par.elastic_min_members <= members:
+    if not 1 <= el.min_members <= members:
         raise ConfigError(
-            f"--elastic-min-members ({par.elastic_min_members}) must be between 1 and the "
+            f"--elastic-min-members ({el.min_members}) must be between 1 and the "
             f"initial members ({members})"
         )
     per_stage = model.num_layers // par.pp
@@ -442,9 +441,9 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
         raise ConfigError(
             f"--distributed-timeout-minutes must be >= 1, got {par.distributed_timeout_minutes}"
         )
-    if par.elastic_heartbeat_timeout < 0:
+    if el.heartbeat_timeout < 0:
         raise ConfigError(
-            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {par.elastic_heartbeat_timeout}"
+            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {el.heartbeat_timeout}"
         )
     if cfg.logging.log_interval < 1:
         raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
