@@ -100,7 +100,7 @@ def main() -> None:
             flags[flags.index(flag) + 1] = value
         flags.remove("--bf16")
     cfg = parse_args(flags, world)
-    dist.barrier()  # as run_elastic does at launch: the world communicator exists before a change
+    dist.barrier()  # as launch.run does: the world communicator exists before a change
     groups = ParallelGroups.build(cfg.layout(world), range(world))
     trainer = Trainer(cfg, groups, device, print_fn=lambda *x, **k: None)
     for _ in range(2):

@@ -461,7 +461,7 @@ class Trainer:
                 f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
             )
 
-    # --- loading (megadyn/launch resumes from snapshots or --load through these) ------------
+    # --- finishing saves; loading (megadyn/launch resumes a snapshot or --load with these) ---
     def finish_saves(self) -> None:
         pending = getattr(self, "_pending", None)
         if pending is not None and pending.future is not None:
