@@ -101,6 +101,16 @@ def off_marker(path: str) -> str:
     return f"{path}.off"
 
 
+def job_done() -> None:
+    """The job ended well: no attempt follows, the marker goes (local rank 0)."""
+    path = socket_path()
+    if path is not None and torchrun_env.current().local_rank == 0:
+        try:
+            os.unlink(off_marker(path))
+        except FileNotFoundError:
+            pass
+
+
 # --- the server -------------------------------------------------------------------------------
 def start(enabled: bool = True) -> bool:
     """Start this host's server for the agent of this worker (on local rank 0 of a worker that

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None):
         if watchdog is not None:
             watchdog.stop()
     dist.destroy_process_group()
+    fork_server.job_done()
     return result
 
 
