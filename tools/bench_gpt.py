@@ -16,7 +16,7 @@ import json
 import torch.distributed as dist
 
 from megadyn.bench.gpt import parse_args, run_gpt_bench
-from megadyn.training.distributed_init import init_distributed
+from megadyn.launch.distributed_init import init_distributed
 
 
 def main() -> None:

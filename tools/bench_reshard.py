@@ -18,7 +18,7 @@ import json
 import torch.distributed as dist
 
 from megadyn.bench.reshard import run_reshard_bench
-from megadyn.training.distributed_init import init_distributed
+from megadyn.launch.distributed_init import init_distributed
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ Each component runs in a new Python process, as a restarted worker would: the in
 `import torch`, CUDA's context, the imports of pretrain_gpt.py, and the first against the
 second call of cuDNN attention (forward and backward, the reference shape) and of the
 fused (Triton) vocab-parallel cross entropy. The recovery path of a restarted job pays each of these
-(megadyn/training/startup.py logs where its own start went).
+(megadyn/launch/startup.py logs where its own start went).
 """
 
 from __future__ import annotations

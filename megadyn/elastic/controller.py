@@ -69,7 +69,7 @@ class ElasticController:
         """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
         `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
         weights uninitialized: they arrive through the reshard; the caller above this package
-        provides it."""
+        provides it (megadyn/launch/run.py)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.epoch = 0
@@ -81,7 +81,7 @@ class ElasticController:
     def step_hook(self, trainer: ReshardableTrainer) -> None:
         groups = trainer.groups
         it = trainer.iteration
-        interval = max(1, self.cfg.parallel.elastic_control_interval)
+        interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
             return
         if dist.get_rank() == groups.grid.members[0]:  # the leader
@@ -201,7 +201,7 @@ class ElasticController:
             local.__getitem__,
             group=change.span_group,
             device=self.device,
-            round_bytes=self.cfg.parallel.elastic_reshard_chunk_mb * 2**20,
+            round_bytes=self.cfg.elastic.reshard_chunk_mb * 2**20,
         )
 
     def _rebuild(self, change: _Change, trainer, new_state):

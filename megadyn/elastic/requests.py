@@ -38,15 +38,13 @@ def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], c
         layout = Layout.from_world(n, tp, pp, request.vpp, request.sp)
     else:  # scale
         n = request.members
-        if cfg.parallel.elastic_layout == "pinned":
+        if cfg.elastic.layout == "pinned":
             layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
         else:
             device_type = "cuda" if groups.backend == "nccl" else "cpu"
             layout = plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
-    if n < cfg.parallel.elastic_min_members:
-        raise LayoutError(
-            f"{n} members is below --elastic-min-members ({cfg.parallel.elastic_min_members})"
-        )
+    if n < cfg.elastic.min_members:
+        raise LayoutError(f"{n} members is below --elastic-min-members ({cfg.elastic.min_members})")
     if n > len(members) + len(standby):
         raise LayoutError(
             f"{n} members requested but only {len(members) + len(standby)} processes are live"

@@ -1,10 +1,11 @@
-"""Bodies for `spawn`: run pretrain_gpt.py's main in each spawned process."""
+"""Bodies for `spawn`: run a job's main (megadyn/launch/run.py) in each spawned process."""
 
 from __future__ import annotations
 
 
 def run_pretrain(rank: int, world: int, argv) -> object:
-    """`pretrain_gpt.main(argv)` on this rank (torch.distributed is already initialized)."""
-    import pretrain_gpt
+    """`pretrain_gpt.py`'s job (`megadyn.launch.run.main(argv)`) on this rank
+    (torch.distributed is already initialized)."""
+    from megadyn.launch.run import main
 
-    return pretrain_gpt.main(list(argv))
+    return main(list(argv))

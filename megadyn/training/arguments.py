@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import tempfile
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -34,6 +32,7 @@ from megadyn.training.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    ElasticConfig,
     LoggingConfig,
     MegadynConfig,
     ParallelConfig,
@@ -144,22 +143,23 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
-    _add_elastic_args(par)
+    par("--distributed-timeout-minutes", type=int)
+    _add_elastic_args(p)
 
 
-def _add_elastic_args(el: _Group) -> None:
-    """megadyn's --elastic-* flags and the distributed timeout (shown with the parallel ones)."""
-    el("--elastic-initial-members", type=int)
-    el("--elastic-min-members", type=int)
-    el("--elastic-layout", choices=["auto", "pinned"])
-    el("--elastic-snapshot-interval", type=int)
-    el("--elastic-snapshot-dir")
-    el("--elastic-control-interval", type=int)
-    el("--elastic-reshard-chunk-mb", type=int)
-    el("--elastic-control-port", type=int)
-    el("--elastic-heartbeat-timeout", type=float)
-    el("--no-elastic-fork-server", "elastic_fork_server", action="store_false")
-    el("--distributed-timeout-minutes", type=int)
+def _add_elastic_args(p: argparse.ArgumentParser) -> None:
+    """megadyn's --elastic-* flags: the job runtime's and the live reconfiguration's settings."""
+    el = _Group(p, "elastic", "elastic", ElasticConfig)
+    el("--elastic-initial-members", "initial_members", type=int)
+    el("--elastic-min-members", "min_members", type=int)
+    el("--elastic-layout", "layout", choices=["auto", "pinned"])
+    el("--elastic-snapshot-interval", "snapshot_interval", type=int)
+    el("--elastic-snapshot-dir", "snapshot_dir")
+    el("--elastic-control-interval", "control_interval", type=int)
+    el("--elastic-reshard-chunk-mb", "reshard_chunk_mb", type=int)
+    el("--elastic-control-port", "control_port", type=int)
+    el("--elastic-heartbeat-timeout", "heartbeat_timeout", type=float)
+    el("--no-elastic-fork-server", "fork_server", action="store_false")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -276,7 +276,7 @@ def parse_args(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
 
 
 def parse_config(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:
-    """Parse a command line without `validate` (megadyn/training/replan.py changes the layout
+    """Parse a command line without `validate` (megadyn/launch/replan.py changes the layout
     of a config that does not fit `world_size`, then validates it)."""
     try:
         ns, unknown = build_parser().parse_known_args(argv)
@@ -305,10 +305,7 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
         if values[key] is None:
             raise ConfigError(f"{flag} is required")
     parallel = ParallelConfig(**_section(values, "parallel"))
-    if not parallel.elastic_snapshot_dir:  # host shared memory, named by torchrun's run id
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-        parallel = dataclasses.replace(parallel, elastic_snapshot_dir=f"{shm}/megadyn-{run_id}")
+    elastic = ElasticConfig(**_section(values, "elastic"))
     try:
         optimizer = OptimizerConfig(**_section(values, "optimizer"))
     except ValueError as err:
@@ -316,7 +313,7 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
     data = _section(values, "data")
     data["data_path"] = tuple(data["data_path"] or ()) or None
     data = DataConfig(**data)
-    training = _training(values, parallel, world_size)
+    training = _training(values, parallel, elastic.members(world_size))
 
     model = _section(values, "model")
     flags = _section(values, "flag")
@@ -342,6 +339,7 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
     return MegadynConfig(
         model=model,
         parallel=parallel,
+        elastic=elastic,
         training=training,
         optimizer=optimizer,
         scheduler=SchedulerConfig(**_section(values, "scheduler")),
@@ -359,7 +357,7 @@ def _checkpoint(values: dict[str, Any]) -> CheckpointConfig:
     return CheckpointConfig(**c)
 
 
-def _training(values: dict[str, Any], parallel: ParallelConfig, world_size: int) -> TrainingConfig:
+def _training(values: dict[str, Any], parallel: ParallelConfig, members: int) -> TrainingConfig:
     t = _section(values, "training")
     if (t["train_iters"] is None) == (t["train_samples"] is None):
         raise ConfigError("--train-iters: give exactly one of --train-iters and --train-samples")
@@ -368,7 +366,7 @@ def _training(values: dict[str, Any], parallel: ParallelConfig, world_size: int)
             raise ConfigError("--rampup-batch-size needs --train-samples (as in Megatron)")
         t["rampup_batch_size"] = tuple(t["rampup_batch_size"])
     if t["global_batch_size"] is None:  # Megatron: one micro batch per step
-        dp = max(1, parallel.members(world_size) // (parallel.tp * parallel.pp))
+        dp = max(1, members // (parallel.tp * parallel.pp))
         t["global_batch_size"] = t["micro_batch_size"] * dp
     try:
         t["recompute"] = RecomputeConfig(**_section(values, "recompute"))

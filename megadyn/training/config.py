@@ -82,40 +82,6 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the next forward
     (--overlap-param-gather)."""
-    elastic_initial_members: int | None = None
-    """Processes that train from the start; the rest of the launched world waits as standby
-    (--elastic-initial-members); None = all."""
-    elastic_min_members: int = 1
-    """Fewest members to keep training with; below it the job saves a checkpoint and stops
-    (--elastic-min-members)."""
-    elastic_layout: str = "auto"
-    """On a membership change, 'auto' lets the planner choose tp/pp/dp/vpp/micro batch/recompute;
-    'pinned' keeps tp, pp and vpp and changes dp only (--elastic-layout)."""
-    elastic_snapshot_interval: int = 0
-    """Iterations between host-memory snapshots of the training state, replicated to a peer; 0 = off
-    (--elastic-snapshot-interval)."""
-    elastic_control_interval: int = 1
-    """Iterations between checks for operator requests and membership changes
-    (--elastic-control-interval)."""
-    elastic_reshard_chunk_mb: int = 512
-    """Largest transfer chunk while resharding, which bounds the extra memory per rank, in MiB
-    (--elastic-reshard-chunk-mb)."""
-    elastic_snapshot_dir: str = ""
-    """Where in-memory snapshots go on each host (--elastic-snapshot-dir); default
-    /dev/shm/megadyn-<torchrun run id>, host shared memory that outlives the workers.
-    Environment variables in it are expanded on each host (e.g. /dev/shm/ckpt-$MEGADYN_HOST)."""
-    elastic_control_port: int | None = None
-    """Port of the control store that rank 0 hosts for tools/elastic_ctl.py; setting it (or
-    --elastic-initial-members) turns live reconfiguration on (--elastic-control-port)."""
-    elastic_heartbeat_timeout: float = 30.0
-    """Under torchrun, seconds a rank may go without a heartbeat in the job's store before every
-    other rank names it and exits, so that torchrun restarts the job instead of waiting in a
-    collective; 0 = off (--elastic-heartbeat-timeout)."""
-    elastic_fork_server: bool = True
-    """Under torchrun with restarts allowed (--max-restarts > 0), keep one process per host
-    with torch and megadyn imported, from which the workers of a restarted attempt fork
-    instead of importing again (megadyn/training/fork_server.py); --no-elastic-fork-server
-    turns it off."""
     distributed_timeout_minutes: int = 10
     """Timeout of the default process group and of every group megadyn creates
     (--distributed-timeout-minutes)."""
@@ -124,15 +90,6 @@ class ParallelConfig:
     def distributed_timeout(self) -> timedelta:
         """--distributed-timeout-minutes as a timedelta, for process groups."""
         return timedelta(minutes=self.distributed_timeout_minutes)
-
-    @property
-    def elastic(self) -> bool:
-        """Live reconfiguration is on."""
-        return self.elastic_control_port is not None or self.elastic_initial_members is not None
-
-    def members(self, world_size: int) -> int:
-        """Ranks the first layout is drawn over."""
-        return self.elastic_initial_members or world_size
 
     def virtual_stages(self, num_layers: int) -> int:
         """Virtual stages per pipeline rank (Megatron's vpp size); 1 = no interleaving."""
@@ -145,6 +102,56 @@ class ParallelConfig:
         return Layout.from_world(
             num_members, self.tp, self.pp, self.virtual_stages(num_layers), self.sequence_parallel
         )
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """How the job lives under torchrun (megadyn/launch) and changes its layout live
+    (megadyn/elastic): members and standby processes, snapshots, heartbeats, restarts."""
+
+    initial_members: int | None = None
+    """Processes that train from the start; the rest of the launched world waits as standby
+    (--elastic-initial-members); None = all."""
+    min_members: int = 1
+    """Fewest members to keep training with; below it the job saves a checkpoint and stops
+    (--elastic-min-members)."""
+    layout: str = "auto"
+    """On a membership change, 'auto' lets the planner choose tp/pp/dp/vpp/micro batch/recompute;
+    'pinned' keeps tp, pp and vpp and changes dp only (--elastic-layout)."""
+    snapshot_interval: int = 0
+    """Iterations between host-memory snapshots of the training state, replicated to a peer; 0 = off
+    (--elastic-snapshot-interval)."""
+    control_interval: int = 1
+    """Iterations between checks for operator requests and membership changes
+    (--elastic-control-interval)."""
+    reshard_chunk_mb: int = 512
+    """Largest transfer chunk while resharding, which bounds the extra memory per rank, in MiB
+    (--elastic-reshard-chunk-mb)."""
+    snapshot_dir: str = ""
+    """Where in-memory snapshots go on each host (--elastic-snapshot-dir); default
+    /dev/shm/megadyn-<torchrun run id>, host shared memory that outlives the workers.
+    Environment variables in it are expanded on each host (e.g. /dev/shm/ckpt-$MEGADYN_HOST)."""
+    control_port: int | None = None
+    """Port of the control store that rank 0 hosts for tools/elastic_ctl.py; setting it (or
+    --elastic-initial-members) turns live reconfiguration on (--elastic-control-port)."""
+    heartbeat_timeout: float = 30.0
+    """Under torchrun, seconds a rank may go without a heartbeat in the job's store before every
+    other rank names it and exits, so that torchrun restarts the job instead of waiting in a
+    collective; 0 = off (--elastic-heartbeat-timeout)."""
+    fork_server: bool = True
+    """Under torchrun with restarts allowed (--max-restarts > 0), keep one process per host
+    with torch and megadyn imported, from which the workers of a restarted attempt fork
+    instead of importing again (megadyn/launch/fork_server.py); --no-elastic-fork-server
+    turns it off."""
+
+    @property
+    def live(self) -> bool:
+        """Live reconfiguration is on."""
+        return self.control_port is not None or self.initial_members is not None
+
+    def members(self, world_size: int) -> int:
+        """Ranks the first layout is drawn over."""
+        return self.initial_members or world_size
 
 
 @dataclass(frozen=True)
@@ -295,7 +302,9 @@ class MegadynConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     """The network (model flags)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Parallel degrees and elastic behaviour."""
+    """Parallel degrees and process groups."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Live reconfiguration, snapshots, heartbeats and restarts (the --elastic-* flags)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Batch sizes, length of training, recomputation."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -311,5 +320,5 @@ class MegadynConfig:
 
     def layout(self, world_size: int) -> Layout:
         """The first layout of the job, over its initial members."""
-        members = self.parallel.members(world_size)
+        members = self.elastic.members(world_size)
         return self.parallel.layout(members, self.model.num_layers)

@@ -1,12 +1,13 @@
 """The training loop of pretrain_gpt.py.
 
-    trainer = Trainer(cfg, groups, device)      # tokenizer, datasets, model, optimizer, loaders
-    trainer.resume()                            # newest snapshot or --load (snapshot_keeper.py)
+    trainer = Trainer(cfg, groups, device, hooks=[...])  # tokenizer, data, model, optimizer
+    trainer.load(path)                          # or read + adopt (megadyn/launch resumes)
     losses = trainer.train()                    # per-iteration lm loss (on the logging rank)
 
 Everything that depends on the layout is made in `build(groups)`, so the elastic controller can
 call it again with new groups; the data cursor (`state.consumed_samples`) and the global batch
-size do not depend on the layout.
+size do not depend on the layout. The job runtime (megadyn/launch) runs its snapshots,
+heartbeats and elastic controller as step hooks (hooks.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from megadyn.training.checkpoint_items import (
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
 from megadyn.training.evaluation import evaluate
+from megadyn.training.hooks import StepHook, as_hooks
 from megadyn.training.metrics import (
     IterationStats,
     format_iteration_line,
@@ -45,7 +48,6 @@ from megadyn.training.metrics import (
 from megadyn.training.metrics_log import MetricsLog
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
-from megadyn.training.snapshot_keeper import SnapshotKeeper, resume
 from megadyn.training.state import TrainingState, TrainState
 from megadyn.training.wandb_logger import create_wandb_logger
 
@@ -59,7 +61,7 @@ class Trainer:
         *,
         state: TrainState | None = None,
         init_weights: bool = True,
-        step_hook=None,
+        hooks: Sequence[StepHook | Callable] = (),
         print_fn=print,
     ):
         self.device, self.print = torch.device(device), print_fn
@@ -72,7 +74,7 @@ class Trainer:
         self.microbatches = MicroBatchCalculator.from_config(cfg.training)
         self.state = state or TrainState()
         self.train_iters = cfg.training.train_iters
-        self.step_hook = step_hook
+        self.hooks = as_hooks(hooks)  # in this order at every step boundary
         self.loss_by_iteration: dict[int, float] = {}
         self.step_seconds: float | None = None  # measured at the last log line
         self.draws: list[
@@ -82,7 +84,6 @@ class Trainer:
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
         self.metrics_log = MetricsLog.from_config(self.cfg)  # on the logging rank of the time
-        self.snapshots = SnapshotKeeper()
         self.build(groups, init_weights=init_weights)
 
     # --- layout-dependent parts ----------------------------------------------------------------
@@ -91,7 +92,8 @@ class Trainer:
         after a reconfiguration; the weights then come from `adopt_state`)."""
         cfg = self.cfg
         self.groups = groups
-        self.snapshots.staging = {}  # host buffers of the old layout's snapshots go
+        for hook in self.hooks:  # e.g. host buffers of the old layout's snapshots go
+            hook.new_layout(self)
         self.microbatches.check_dp_size(groups.dp_size)
         parts = build_model_parts(
             cfg, self.model_cfg, groups, self.device, init_weights=init_weights
@@ -200,7 +202,8 @@ class Trainer:
         set_rng_streams(self.chunks, states)
 
     def quiesce(self) -> None:
-        self.finish_snapshot()
+        for hook in self.hooks:  # a snapshot being written
+            hook.quiesce(self)
         self.drop_cuda_graph()
 
     def rebuild(self, groups, training: dict) -> None:
@@ -335,19 +338,16 @@ class Trainer:
                 self.save()
             if t.exit_interval and it % t.exit_interval == 0:
                 break
-            self.poll_snapshot()
-            snap = self.cfg.parallel.elastic_snapshot_interval
-            if snap and it % snap == 0 and it < self.train_iters:
-                self.snapshot()
-            if self.step_hook is not None:  # the elastic controller: may rebuild this trainer
-                self.step_hook(self)
+            for hook in self.hooks:  # snapshots, heartbeats, the elastic controller (which
+                hook.after_step(self)  # may rebuild this trainer)
         if self.cfg.checkpoint.save and (
             not self.cfg.checkpoint.save_interval
             or self.state.iteration % self.cfg.checkpoint.save_interval
         ):
             self.save()
         self.params_ready()
-        self.finish_snapshot()
+        for hook in self.hooks:  # e.g. the running snapshot completes
+            hook.end(self)
         self.finish_saves()
         self.wandb.finish()
         return history
@@ -424,22 +424,7 @@ class Trainer:
                 f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
             )
 
-    # --- in-memory snapshots and resuming (snapshot_keeper.py) --------------------------------
-    def snapshot(self) -> None:
-        self.snapshots.start(self)
-
-    def poll_snapshot(self) -> None:
-        self.snapshots.poll(self)
-
-    def finish_snapshot(self) -> None:
-        self.snapshots.finish(self)
-
-    def drop_snapshots(self) -> None:
-        self.snapshots.drop(self)
-
-    def resume(self) -> None:
-        resume(self)
-
+    # --- finishing saves; loading (megadyn/launch resumes a snapshot or --load with these) ---
     def finish_saves(self) -> None:
         pending = getattr(self, "_pending", None)
         if pending is not None and pending.future is not None:
@@ -487,7 +472,7 @@ class Trainer:
         the batch at the data cursor (the cursor does not move) with the gradients thrown away:
         the next training step then pays no communicator setup, compilation or kernel choice.
         The weights, optimizer, schedule and RNG streams are not read for anything kept, so
-        this runs while a snapshot is read (`snapshot_keeper.resume`)."""
+        this runs while a snapshot is read (megadyn/launch/snapshot_keeper.py `resume`)."""
         g, start = self.groups, time.perf_counter()
         rng = rng_items(g, self.chunks)  # dropout in the warm-up must not move the streams
         g.connect(self.device)

@@ -14,7 +14,7 @@ from megadyn.core.layout import Layout
 from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
 from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
 from megadyn.elastic.requests import validate_for
-from megadyn.training.config import ConfigError, MegadynConfig, ParallelConfig
+from megadyn.training.config import ConfigError, ElasticConfig, MegadynConfig
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import check_schedule
 
@@ -23,28 +23,28 @@ __all__ = ["validate"]
 
 def validate(cfg: MegadynConfig, world_size: int) -> None:
     """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
-    _validate_members(cfg.parallel, world_size)
+    _validate_members(cfg.elastic, world_size)
     layout = _validate_layout(cfg, world_size)
     _validate_recompute(cfg, layout)
     _validate_kernels(cfg, layout)
     check_schedule(cfg.scheduler, cfg.optimizer, cfg.training.train_iters)
     _validate_data(cfg)
     _validate_checkpoint(cfg)
-    _validate_timeouts(cfg.parallel)
+    _validate_timeouts(cfg)
     if cfg.logging.log_interval < 1:
         raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
 
 
-def _validate_members(par: ParallelConfig, world_size: int) -> None:
-    members = par.members(world_size)
+def _validate_members(el: ElasticConfig, world_size: int) -> None:
+    members = el.members(world_size)
     if not 1 <= members <= world_size:
         raise ConfigError(
             f"--elastic-initial-members ({members}) must be between 1 and the world size "
             f"({world_size})"
         )
-    if not 1 <= par.elastic_min_members <= members:
+    if not 1 <= el.min_members <= members:
         raise ConfigError(
-            f"--elastic-min-members ({par.elastic_min_members}) must be between 1 and the "
+            f"--elastic-min-members ({el.min_members}) must be between 1 and the "
             f"initial members ({members})"
         )
 
@@ -154,12 +154,13 @@ def _validate_checkpoint(cfg: MegadynConfig) -> None:
         )
 
 
-def _validate_timeouts(par: ParallelConfig) -> None:
+def _validate_timeouts(cfg: MegadynConfig) -> None:
+    par, el = cfg.parallel, cfg.elastic
     if par.distributed_timeout_minutes < 1:
         raise ConfigError(
             f"--distributed-timeout-minutes must be >= 1, got {par.distributed_timeout_minutes}"
         )
-    if par.elastic_heartbeat_timeout < 0:
+    if el.heartbeat_timeout < 0:
         raise ConfigError(
-            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {par.elastic_heartbeat_timeout}"
+            f"--elastic-heartbeat-timeout must be >= 0 (0 = off), got {el.heartbeat_timeout}"
         )

@@ -122,7 +122,7 @@ RECOVERY = re.compile(
     r"recovery: restart (\d+) \| resumed from iteration (\d+) \| iterations repeated: (\d+)"
     r".*?: ([0-9.]+) s, measured from the last heartbeat of rank (\d+)"
 )
-"""The line a restarted job logs at its first completed step (megadyn/training/watchdog.py)."""
+"""The line a restarted job logs at its first completed step (megadyn/launch/watchdog.py)."""
 
 
 def recovery_times(text: str) -> list[dict]:

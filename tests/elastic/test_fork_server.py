@@ -63,7 +63,7 @@ def test_restarted_workers_fork_from_the_server(tmp_path):
 
 
 def test_without_a_server_a_restarted_worker_starts_as_usual(monkeypatch, capsys):
-    from megadyn.training import fork_server
+    from megadyn.launch import fork_server
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"none-{free_port()}")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
@@ -71,17 +71,23 @@ def test_without_a_server_a_restarted_worker_starts_as_usual(monkeypatch, capsys
     monkeypatch.delenv(fork_server.FORKED, raising=False)
     fork_server.hand_over(["--train-iters", "2"], time.time())  # returns: nothing listens
     assert f"fork server: none at {fork_server.socket_path()}" in capsys.readouterr().out
-    fork_server.hand_over(["--no-elastic-fork-server"], time.time())  # off: not even a look
-    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not fork_server.start(enabled=False)  # --no-elastic-fork-server: a marker, no server
+    try:
+        fork_server.hand_over(["--no-elastic-fork-server"], time.time())  # off: not even a look
+        assert capsys.readouterr().out == ""
+    finally:
+        os.unlink(fork_server.off_marker(fork_server.socket_path()))
 
 
 def test_a_server_is_started_only_where_torchrun_may_restart(monkeypatch):
-    from megadyn.training import fork_server
+    from megadyn.launch import fork_server
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"norestart-{free_port()}")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
-    assert not fork_server.start("pretrain_gpt.py")
+    assert not fork_server.start()
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")  # one server per host, started by local rank 0
-    assert not fork_server.start("pretrain_gpt.py")
+    assert not fork_server.start()

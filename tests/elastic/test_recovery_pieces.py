@@ -22,9 +22,9 @@ from recovery_helpers import (  # noqa: E402
     workers_of,
 )
 
+from megadyn.launch.snapshots import HostMap, Transfer, choose
 from megadyn.testing import free_port, run_pretrain, spawn
 from megadyn.training.checkpoint import latest_checkpoint, missing_pieces
-from megadyn.training.snapshots import HostMap, Transfer, choose
 
 ITERS, INTERVAL = 16, 4
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -102,13 +102,14 @@ def train_part_way(rank, world, argv, iters):
     """Train to `iters` of the run's --train-iters and keep the snapshots (as a job that dies
     there would)."""
     from megadyn.core.groups import ParallelGroups
+    from megadyn.launch.run import step_hooks
     from megadyn.training.arguments import parse_args
     from megadyn.training.trainer import Trainer
 
     os.environ["MEGADYN_HOST"] = "ab"[rank]
     cfg = parse_args(list(argv), world)
     groups = ParallelGroups.build(cfg.layout(world), members=range(world))
-    trainer = Trainer(cfg, groups, "cpu")
+    trainer = Trainer(cfg, groups, "cpu", hooks=step_hooks(cfg, None))  # the snapshot schedule
     trainer.train_iters = iters
     trainer.train()
     groups.destroy()

@@ -21,9 +21,9 @@ from recovery_helpers import (
     workers_of,
 )
 
+from megadyn.launch.distributed_init import attempt_prefix
+from megadyn.launch.watchdog import Watchdog, read_previous_attempt
 from megadyn.testing import free_port, run_pretrain, spawn
-from megadyn.training.distributed_init import attempt_prefix
-from megadyn.training.watchdog import Watchdog, read_previous_attempt
 
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 

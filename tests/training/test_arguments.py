@@ -273,7 +273,7 @@ def test_cuda_graph_flags():
 
 def test_cuda_graph_needs_cuda_and_a_replanned_pipeline_turns_it_off():
     from megadyn.core.layout import Layout
-    from megadyn.training.replan import config_for_world, with_layout
+    from megadyn.launch.replan import config_for_world, with_layout
 
     argv = shlex.split(f"{BASE} --enable-cuda-graph {NO_DROPOUT}")
     with pytest.raises(ConfigError, match="^--enable-cuda-graph needs CUDA devices"):
@@ -284,7 +284,7 @@ def test_cuda_graph_needs_cuda_and_a_replanned_pipeline_turns_it_off():
 
 
 def test_the_copy_engine_transport_needs_cuda():
-    from megadyn.training.replan import config_for_world
+    from megadyn.launch.replan import config_for_world
 
     flags = "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
     argv = shlex.split(f"{BASE} {flags} --tp-comm-overlap-transport copy-engine")

@@ -1,4 +1,4 @@
-"""One failure, one message (megadyn/training/errors.py): under real torchrun a damaged data
+"""One failure, one message (megadyn/launch/errors.py): under real torchrun a damaged data
 file on one rank prints one line, the rank waiting for it nothing, and MEGADYN_DEBUG=1 brings
 the tracebacks back; the kinds of errors and the ranks' agreement through the agent's store."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from megadyn.data.indexed_dataset import IndexedDatasetWriter
+from megadyn.launch import errors
 from megadyn.testing import free_port
-from megadyn.training import errors
 from megadyn.training.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

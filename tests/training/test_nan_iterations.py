@@ -22,7 +22,7 @@ def poisoned_run(rank, world, argv):
             with torch.no_grad():
                 next(trainer.chunks[0].parameters()).view(-1)[0] = float("nan")
 
-    trainer = Trainer(cfg, groups, "cpu", step_hook=poison, print_fn=lambda s, **k: lines.append(s))
+    trainer = Trainer(cfg, groups, "cpu", hooks=[poison], print_fn=lambda s, **k: lines.append(s))
     trainer.train()
     groups.destroy()
     return trainer.training_state().to_dict()["state"], lines

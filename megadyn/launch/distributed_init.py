@@ -6,7 +6,7 @@ Under torchrun every worker reaches the elastic agent's TCPStore at MASTER_ADDR:
 That store outlives the workers, so each restart of the worker group works in a key space of
 its own, `attempt_prefix(TORCHELASTIC_RESTART_COUNT)`: the restarted workers never read keys
 left by the ones that died (their gloo addresses), and can still read what those left on
-purpose (their heartbeats, megadyn/training/watchdog.py).
+purpose (their heartbeats, megadyn/launch/watchdog.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
-def restart_count() -> int | None:
-    """How many times torchrun restarted this worker group; None when not under torchrun."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return None if count is None else int(count)
+from megadyn.launch import torchrun_env
 
 
 def attempt_prefix(restart: int) -> str:
@@ -31,29 +27,27 @@ def attempt_prefix(restart: int) -> str:
 
 def agent_store(timeout: timedelta) -> dist.TCPStore:
     """A client of the elastic agent's store (all attempts' keys: wrap it in a PrefixStore)."""
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
+    env = torchrun_env.current()
+    return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
 
 
 def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> torch.device:
     """Initialize the default process group (nccl on GPUs, else gloo), its collectives bounded
     by `timeout` (--distributed-timeout-minutes); return this rank's device."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    env = torchrun_env.current()
+    rank, world = env.rank, env.world_size
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # a plain `python pretrain_gpt.py`: one process
+        if env.master_addr is None:  # a plain `python pretrain_gpt.py`: one process
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-        restart = restart_count()
+        restart = env.restart_count
         if restart is None:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         else:

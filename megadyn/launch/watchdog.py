@@ -1,13 +1,13 @@
 """Heartbeats through torchrun's agent store: a hung rank is named, and the job restarts instead
 of waiting in a collective; a restarted job logs how long its recovery took.
 
-    watchdog = Watchdog.start(cfg.parallel.elastic_heartbeat_timeout)  # None unless under torchrun
-    trainer = Trainer(cfg, groups, device, step_hook=watchdog.step_hook)
+    watchdog = Watchdog.start(cfg.elastic.heartbeat_timeout)  # None unless under torchrun
+    trainer = Trainer(cfg, groups, device, hooks=[watchdog.step_hook])
     trainer.train()
     watchdog.stop()                     # this rank is done: the others stop watching it
 
 Each rank runs one daemon thread. Every `interval` seconds it writes, in the attempt's key space
-of the agent's store (`attempt_prefix`, megadyn/training/distributed_init.py),
+of the agent's store (`attempt_prefix`, megadyn/launch/distributed_init.py),
 
     heartbeat/world     the attempt's world size
     heartbeat/progress  the last completed step, written after every step by the logging rank
@@ -41,8 +41,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megadyn.training import startup
-from megadyn.training.distributed_init import agent_store, attempt_prefix, restart_count
+from megadyn.launch import startup, torchrun_env
+from megadyn.launch.distributed_init import agent_store, attempt_prefix
 
 WATCHED = 16
 """Ranks each rank watches (the next ones around the ring), so the store's load grows with the
@@ -109,7 +109,7 @@ class Watchdog:
     def start(cls, timeout: float, print_fn=print) -> Watchdog | None:
         """Start this rank's heartbeats (and, with `timeout` > 0, the silence check); None when
         the job does not run under torchrun's elastic agent (nothing would restart it)."""
-        restart = restart_count()
+        restart = torchrun_env.current().restart_count
         if restart is None:
             return None
         store = agent_store(timedelta(seconds=max(30.0, timeout)))
@@ -225,7 +225,7 @@ def _kill_if_here(rank: int, beat: dict) -> bool:
     try:
         with open(f"/proc/{beat['pid']}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").encode()
+        run_id = (torchrun_env.current().run_id or "").encode()
         if env.get(b"RANK") != str(rank).encode() or env.get(b"TORCHELASTIC_RUN_ID") != run_id:
             return False
         os.kill(beat["pid"], signal.SIGKILL)

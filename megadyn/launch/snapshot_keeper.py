@@ -1,9 +1,10 @@
 """The in-memory snapshots of one trainer, and where a (re)started job resumes from.
 
-    keeper = SnapshotKeeper()                  # one per Trainer
-    keeper.start(trainer)                      # every --elastic-snapshot-interval steps
-    keeper.poll(trainer)                       # every step boundary: finish when agreed
-    keeper.finish(trainer)                     # wait for the writers (reshard, end of run)
+    keeper = SnapshotKeeper(interval)          # one per Trainer: Trainer(..., hooks=[keeper])
+    keeper.after_step(trainer)                 # every step boundary: finish when agreed, and
+                                               # start one every --elastic-snapshot-interval
+    keeper.quiesce(trainer)                    # wait for the writers (before a reshard)
+    keeper.drop(trainer)                       # the run is done: the snapshot dir goes
     resume(trainer)                            # newest complete snapshot, else --load
 
 A snapshot is an asynchronous DCP checkpoint in this host's snapshot dir (host shared memory),
@@ -22,15 +23,36 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
+from megadyn.launch import snapshots, startup
 from megadyn.training import checkpoint as ckpt
-from megadyn.training import snapshots, startup
+from megadyn.training.hooks import StepHook
 
 
-class SnapshotKeeper:
-    def __init__(self) -> None:
+class SnapshotKeeper(StepHook):
+    """The snapshot schedule of one trainer, run as its step hook."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval  # --elastic-snapshot-interval
         self.pending: ckpt.PendingSave | None = None
         self.agreement: snapshots.FinishAgreement | None = None
         self.staging: dict = {}  # host buffers, kept while the layout is
+
+    def after_step(self, trainer) -> None:
+        """Finish the running snapshot where the members agreed to; start the next one every
+        `interval` iterations (not after the last)."""
+        self.poll(trainer)
+        it = trainer.state.iteration
+        if it % self.interval == 0 and it < trainer.train_iters:
+            self.start(trainer)
+
+    def quiesce(self, trainer) -> None:
+        self.finish(trainer)
+
+    def new_layout(self, trainer) -> None:
+        self.staging = {}  # host buffers of the old layout's snapshots go
+
+    def end(self, trainer) -> None:
+        self.finish(trainer)
 
     def start(self, trainer) -> None:
         """Begin a snapshot of the trainer's state at its current iteration."""
@@ -39,7 +61,7 @@ class SnapshotKeeper:
         group = trainer.groups.members_group
         hosts = snapshots.HostMap.gather(group)
         self.pending = ckpt.save_checkpoint(
-            snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir),
+            snapshots.snapshot_root(trainer.cfg.elastic.snapshot_dir),
             trainer.state.iteration,
             trainer.chunks,
             trainer.optimizer,
@@ -80,11 +102,9 @@ class SnapshotKeeper:
     def drop(self, trainer) -> None:
         """The run is done: every member removes its host's snapshot dir (collective over the
         members group, so that no rank still writes or reads one)."""
-        if not trainer.cfg.parallel.elastic_snapshot_interval:
-            return
         self.finish(trainer)
         dist.barrier(group=trainer.groups.members_group)
-        root = snapshots.snapshot_root(trainer.cfg.parallel.elastic_snapshot_dir)
+        root = snapshots.snapshot_root(trainer.cfg.elastic.snapshot_dir)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -93,11 +113,11 @@ def resume(trainer) -> None:
     (copying pieces to the hosts that lack them), else from --load; the log says which and
     why. Snapshots that exist but lack a piece everywhere, with no disk checkpoint to fall back
     to, are an error rather than a fresh start."""
-    p, load = trainer.cfg.parallel, trainer.cfg.checkpoint.load
+    p, load = trainer.cfg.elastic, trainer.cfg.checkpoint.load
     disk = ckpt.find_checkpoint(load) if load else None
     say = trainer.print if trainer.logs else (lambda *a, **k: None)
-    found, root = snapshots.Recovery(), snapshots.snapshot_root(p.elastic_snapshot_dir)
-    if p.elastic_snapshot_interval:
+    found, root = snapshots.Recovery(), snapshots.snapshot_root(p.snapshot_dir)
+    if p.snapshot_interval:
         group = trainer.groups.members_group
         found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
     usable = found.iteration is not None
@@ -124,7 +144,7 @@ def resume(trainer) -> None:
             flush=True,
         )
     elif disk is not None:
-        if p.elastic_snapshot_interval and not usable:
+        if p.snapshot_interval and not usable:
             why = "".join(f" ({line})" for line in found.passed_over(root)[:1])
             say(
                 f" recovery: no complete in-memory snapshot{why}; falling back to the disk "

@@ -43,9 +43,10 @@ import torch.distributed as dist
 
 from megadyn.core.layout import LayoutError
 from megadyn.data.indexed_dataset import IndexedDatasetError
+from megadyn.launch import torchrun_env
+from megadyn.launch.distributed_init import agent_store, attempt_prefix
 from megadyn.training.checkpoint import CheckpointError
 from megadyn.training.config import ConfigError
-from megadyn.training.distributed_init import agent_store, attempt_prefix, restart_count
 
 DEBUG_ENV = "MEGADYN_DEBUG"
 """Set to 1 for the traceback of every failed rank (besides the message)."""
@@ -98,7 +99,7 @@ def run_reported(main: Callable[[list[str]], object], argv: list[str] | None = N
 
 def report(exc: BaseException, rank: int | None = None) -> int:
     """Print `exc` as one message (or nothing), write torchrun's error file; the exit status."""
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    rank = torchrun_env.current().rank if rank is None else rank
     kind, text = describe(exc)
     if debug():
         traceback.print_exception(exc)
@@ -180,7 +181,7 @@ def _one_line(exc) -> str:
 def write_error_file(text: str, exc: BaseException) -> None:
     """torchrun's error file of this worker, in the format of torch's `record` (its summary
     shows `message`, or the traceback where there is one: only under MEGADYN_DEBUG=1)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = torchrun_env.current().error_file
     if not path:
         return
     info = {"timestamp": str(int(time.time()))}
@@ -197,7 +198,7 @@ def write_error_file(text: str, exc: BaseException) -> None:
 def _publish(rank: int, kind: str, text: str) -> dict | None:
     """Offer this rank's report as the attempt's first; the first one (maybe this), or None
     outside torchrun or when the agent's store does not answer."""
-    restart = restart_count()
+    restart = torchrun_env.current().restart_count
     if restart is None:
         return None
     mine = json.dumps({"rank": rank, "agent": _agent(), "kind": kind, "text": text})
@@ -210,7 +211,7 @@ def _publish(rank: int, kind: str, text: str) -> dict | None:
 
 def _agent() -> str:
     """The torchrun agent (node rank) this worker belongs to."""
-    return os.environ.get("GROUP_RANK", "")
+    return torchrun_env.current().group_rank
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -31,11 +31,13 @@ from __future__ import annotations
 import os
 import re
 import socket
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megadyn.launch import torchrun_env
 from megadyn.training.checkpoint import METADATA, STATE_FILE, iter_dir, required_pieces
 
 HOST_ENV = "MEGADYN_HOST"
@@ -50,7 +52,11 @@ def host_identity() -> str:
 
 def snapshot_root(template: str) -> str:
     """The snapshot dir of this host: `--elastic-snapshot-dir` with environment variables
-    expanded (`/dev/shm/run/$MEGADYN_HOST`)."""
+    expanded (`/dev/shm/run/$MEGADYN_HOST`); without one, host shared memory named by
+    torchrun's run id (/dev/shm/megadyn-<run id>)."""
+    if not template:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return f"{shm}/megadyn-{torchrun_env.current().run_id or 'local'}"
     return os.path.expandvars(template)
 
 

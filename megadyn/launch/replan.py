@@ -54,7 +54,7 @@ def config_for_world(
         validate(cfg, world)
         return cfg
     except ConfigError as err:
-        if not restarted or cfg.parallel.elastic_layout == "pinned":
+        if not restarted or cfg.elastic.layout == "pinned":
             raise
         try:
             layout = plan_layout(cfg.model, cfg, world, device_type=device_type)

@@ -4,20 +4,24 @@
 A worker that torchrun starts again spends seconds importing torch and megadyn before it does
 anything (3-8 s on the GPU machines, BENCHMARKS.md). With the fork server, local rank 0
 of the first attempt (or of any attempt a host ran without one) starts one server process per
-host that imports pretrain_gpt.py (torch,
-megadyn, torch.distributed.checkpoint; never CUDA) and then waits on a unix socket. A worker
-of a later attempt hands itself over at the top of pretrain_gpt.py, before importing anything:
+host that imports megadyn/launch/run.py (torch, megadyn, torch.distributed.checkpoint; never
+CUDA) and then waits on a unix socket. A worker of a later attempt hands itself over at the
+top of pretrain_gpt.py, before importing anything:
 
     client (the process torchrun started)          server (imports done, single-threaded)
       sends argv, environment, cwd, start time,  ->   forks a child: the environment, cwd and
       stdin/stdout/stderr and a liveness pipe          descriptors become the client's, then
-                                                       pretrain_gpt.main(argv)
+                                                       megadyn.launch.run.main(argv)
       forwards SIGTERM/SIGINT to the child       <-   the child's pid
       exits with the child's status              <-   the child's exit status, once reaped
 
 The child exits when the client dies (the liveness pipe closes), so torchrun's SIGKILL of the
 client reaches it too. The server exits when the torchrun agent that started its workers does.
 Without a server (the first attempt, or one not ready yet) a worker starts as usual.
+
+The parsed config decides (`start(enabled=...)`): with --no-elastic-fork-server, local rank 0
+of the first attempt leaves a marker beside the socket's path instead of a server, and the
+workers of later attempts, finding it, start as usual without looking for a server.
 
 Only the standard library is imported here at module level: the client runs before torch.
 """
@@ -33,6 +37,8 @@ import struct
 import sys
 import threading
 
+from megadyn.launch import torchrun_env
+
 FORKED = "MEGADYN_FORKED"
 """Set in a forked worker's environment (it must not hand itself over again)."""
 _HEADER = struct.Struct("!Q")
@@ -40,7 +46,7 @@ _HEADER = struct.Struct("!Q")
 
 def socket_path() -> str | None:
     """This host's server of this torchrun agent; None outside torchrun."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = torchrun_env.current().run_id
     if run_id is None:
         return None
     safe = "".join(c if c.isalnum() else "_" for c in run_id)[:40]
@@ -51,15 +57,16 @@ def socket_path() -> str | None:
 def hand_over(argv: list[str], started: float) -> None:
     """Run this worker in a child of the host's fork server and exit with its status; returns
     (having done nothing) when there is no server to hand over to."""
-    path = socket_path()
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if "--no-elastic-fork-server" in argv or not restarted or FORKED in os.environ:
+    path, env = socket_path(), torchrun_env.current()
+    if not env.restart_count or FORKED in os.environ:
+        return
+    if path is not None and os.path.exists(off_marker(path)):  # --no-elastic-fork-server
         return
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
     except (OSError, TypeError):
-        if os.environ.get("RANK") == "0":
+        if env.rank == 0:
             print(f" fork server: none at {path}; this worker imports as usual", flush=True)
         return
     alive_read, alive_write = os.pipe()  # the child watches the read end: EOF = client gone
@@ -89,19 +96,40 @@ def hand_over(argv: list[str], started: float) -> None:
     os._exit(code)
 
 
+def off_marker(path: str) -> str:
+    """The file that says this agent's workers have no server (--no-elastic-fork-server)."""
+    return f"{path}.off"
+
+
+def job_done() -> None:
+    """The job ended well: no attempt follows, the marker goes (local rank 0)."""
+    path = socket_path()
+    if path is not None and torchrun_env.current().local_rank == 0:
+        try:
+            os.unlink(off_marker(path))
+        except FileNotFoundError:
+            pass
+
+
 # --- the server -------------------------------------------------------------------------------
-def start(script: str) -> bool:
+def start(enabled: bool = True) -> bool:
     """Start this host's server for the agent of this worker (on local rank 0 of a worker that
     was not forked: the first attempt, or a host that had no server ready) when torchrun may
-    restart it; the server serves once its imports are done. Whether one was started."""
+    restart it; the server serves once its imports are done. Not `enabled`
+    (--no-elastic-fork-server): leave the marker that tells restarted workers not to look for
+    one. Whether a server was started."""
     import subprocess
 
-    path = socket_path()
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if path is None or restarts == 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+    path, env = socket_path(), torchrun_env.current()
+    if path is None or env.max_restarts == 0 or env.local_rank != 0:
         return False
-    subprocess.Popen(
-        [sys.executable, "-m", "megadyn.training.fork_server", path, str(os.getppid()), script],
+    if not enabled:
+        open(off_marker(path), "w").close()
+        return False
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.Popen(  # `-m` from the package root: this megadyn, wherever the worker's cwd is
+        [sys.executable, "-m", "megadyn.launch.fork_server", path, str(os.getppid())],
+        cwd=package_root,
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -124,7 +152,7 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _run_child(request: dict, fds: list[int], main) -> None:
-    """In the forked child: become the client's worker and run pretrain_gpt.main."""
+    """In the forked child: become the client's worker and run `main` (megadyn.launch.run)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's handler is not the worker's
     stdin, stdout, stderr, alive = fds
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
@@ -140,7 +168,7 @@ def _run_child(request: dict, fds: list[int], main) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
-    from megadyn.training import errors, startup
+    from megadyn.launch import errors, startup
 
     startup.restarted_from(request["started"])
     code = errors.run_reported(main, request["argv"])  # as pretrain_gpt.py's own __main__
@@ -149,14 +177,9 @@ def _run_child(request: dict, fds: list[int], main) -> None:
     os._exit(code)
 
 
-def serve(path: str, agent: int, script: str) -> None:
-    """Import the worker's script, then fork a worker for each client until `agent` exits."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    spec.loader.exec_module(module)  # torch and megadyn; no CUDA
+def serve(path: str, agent: int) -> None:
+    """Import the job's run, then fork a worker for each client until `agent` exits."""
+    from megadyn.launch import run  # torch and megadyn; no CUDA
     from megadyn.training import checkpoint
 
     checkpoint.dcp()  # and the checkpoint library that megadyn imports at first use
@@ -186,7 +209,7 @@ def serve(path: str, agent: int, script: str) -> None:
                 if pid == 0:
                     listener.close()
                     conn.close()
-                    _run_child(request, fds, module.main)
+                    _run_child(request, fds, run.main)
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -227,4 +250,4 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -69,7 +69,7 @@ def import_beside(*modules: str) -> None:
 
 def restarted_from(started: float) -> None:
     """This process was forked for a worker whose own process started at `started` (wall
-    clock; megadyn/training/fork_server.py): its phases count from there."""
+    clock; megadyn/launch/fork_server.py): its phases count from there."""
     CLOCK.started = started
     CLOCK.phases.clear()
     CLOCK.mark("hand-over to the fork server")

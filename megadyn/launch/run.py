@@ -1,0 +1,179 @@
+"""The run of one megadyn job on one rank: what pretrain_gpt.py (and a forked worker) executes.
+
+    sys.exit(errors.run_reported(main))     # pretrain_gpt.py: one message per failure
+    losses = main(argv)                     # a test in a spawned process (process group up)
+
+`main` brings up the process group, parses the command line into a config for this world (a
+restart may replan the layout: replan.py), starts this host's fork server and the heartbeats,
+then `run`s the job. `run` trains on the job's first layout from the newest snapshot or --load
+(snapshot_keeper.resume); with live reconfiguration on, the elastic controller moves processes
+between training and standby at step boundaries. The runtime gives each trainer its step hooks
+(`step_hooks`): the snapshot schedule, the heartbeats and the controller, run in that order.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from megadyn.core.groups import ParallelGroups
+from megadyn.elastic.control import ControlChannel, connect
+from megadyn.elastic.controller import ElasticController, Released
+from megadyn.launch import fork_server, startup, torchrun_env
+from megadyn.launch.distributed_init import init_distributed
+from megadyn.launch.replan import config_for_world
+from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume
+from megadyn.launch.watchdog import Watchdog
+from megadyn.training.arguments import distributed_timeout
+from megadyn.training.config import MegadynConfig
+from megadyn.training.state import TrainingState
+from megadyn.training.trainer import Trainer
+
+
+def main(argv: list[str] | None = None):
+    """Run the job of command line `argv` on this rank: the logging rank's losses (a dict of
+    losses, samples and events under live reconfiguration)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    startup.mark("python and imports")
+    # seconds of imports that the start itself does not need: checkpoints (snapshots) and the
+    # cross entropy's kernels, imported while the process group comes up and the model is built
+    kernels = ["triton"] if torch.cuda.is_available() else []
+    startup.import_beside("torch.distributed.checkpoint", *kernels)
+    device = init_distributed(distributed_timeout(argv))
+    startup.mark("process group")
+    world = dist.get_world_size()
+    if "--default-job" in argv:
+        from megadyn.training.default_job import default_job_argv
+
+        argv.remove("--default-job")
+        argv = default_job_argv(argv, world, device.type == "cuda")
+    cfg = config_for_world(  # a ConfigError ends the job with its message (errors.py)
+        argv,
+        world,
+        restarted=bool(torchrun_env.current().restart_count),
+        device_type=device.type,
+        print_fn=print if dist.get_rank() == 0 else None,
+    )
+    if fork_server.FORKED not in os.environ:  # this host had none ready: for later attempts
+        started = fork_server.start(enabled=cfg.elastic.fork_server)
+        if started and dist.get_rank() == 0:
+            print(
+                " fork server: restarted workers fork from a pre-imported process on each host "
+                "(--no-elastic-fork-server turns it off)",
+                flush=True,
+            )
+    watchdog = Watchdog.start(cfg.elastic.heartbeat_timeout)  # under torchrun only
+    try:
+        result = run(cfg, device, watchdog=watchdog)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+    dist.destroy_process_group()
+    fork_server.job_done()
+    return result
+
+
+def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, controller_hook=None) -> list:
+    """The hooks the runtime gives a trainer, in the order they run at a step boundary: the
+    snapshot schedule (--elastic-snapshot-interval), the heartbeats, the elastic controller."""
+    hooks = []
+    if cfg.elastic.snapshot_interval:
+        hooks.append(SnapshotKeeper(cfg.elastic.snapshot_interval))
+    if watchdog is not None:
+        hooks.append(watchdog.step_hook)
+    if controller_hook is not None:
+        hooks.append(controller_hook)
+    return hooks
+
+
+def control_channel(cfg: MegadynConfig) -> ControlChannel:
+    """The job's control store, hosted by rank 0 (--elastic-control-port, else torchrun's store
+    port + 1), for the controller and tools/elastic_ctl.py."""
+    env = torchrun_env.current()
+    host = env.master_addr or "127.0.0.1"
+    port = cfg.elastic.control_port or (env.master_port or 29500) + 1
+    store = connect(host, port, is_server=dist.get_rank() == 0)
+    dist.barrier()  # the server is up before anyone else uses the channel
+    return ControlChannel(store)
+
+
+def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_fn=print):
+    """Train the job of `cfg` on this rank. Without live reconfiguration: the per-step losses
+    of the logging rank. With it: this process's losses by iteration, the sample indices it
+    drew and the reconfiguration events it took part in (a standby process trains only after
+    it joins; after a torchrun restart the members start under the job's first layout)."""
+    controller = None
+    if cfg.elastic.live:
+
+        def make_trainer(groups, training: dict, step_hook):  # a standby process joins
+            state = TrainingState.from_dict(training).progress
+            hooks = step_hooks(cfg, watchdog, step_hook)
+            return Trainer(cfg, groups, device, state=state, init_weights=False, hooks=hooks)
+
+        channel = control_channel(cfg)
+        controller = ElasticController(
+            cfg, channel, device, make_trainer=make_trainer, print_fn=print_fn
+        )
+    layout = cfg.layout(dist.get_world_size())
+    groups = ParallelGroups.build(
+        layout, members=range(layout.world_size), timeout=cfg.parallel.distributed_timeout
+    )
+    if dist.get_rank() == 0:
+        print(
+            f" megadyn: {dist.get_world_size()} processes, layout tp={layout.tp} pp={layout.pp} "
+            f"dp={layout.dp} vpp={layout.vpp} sequence_parallel={layout.sequence_parallel}, "
+            f"device {device.type}",
+            flush=True,
+        )
+    trainer = None
+    if groups.is_member:  # the rest wait as standby processes of the controller
+        hooks = step_hooks(cfg, watchdog, controller and controller.step_hook)
+        with ThreadPoolExecutor(1, thread_name_prefix="megadyn-connect") as pool:
+            connecting = pool.submit(groups.connect, device)  # beside the model build
+            trainer = Trainer(cfg, groups, device, hooks=hooks)
+            connecting.result()
+        startup.mark("groups, communicators, data, model and optimizer")
+        resume(trainer)
+    if controller is None:
+        history = trainer.train()
+        for hook in hooks:  # the run is done: every host's snapshot dir goes
+            if isinstance(hook, SnapshotKeeper):
+                hook.drop(trainer)
+        close(trainer)
+        return history
+    return train_elastic(controller, trainer)
+
+
+def train_elastic(controller: ElasticController, trainer: Trainer | None) -> dict:
+    """Train while the controller keeps this process a member (standby without `trainer`)."""
+    losses, samples = {}, []
+    while True:
+        if trainer is None:
+            trainer = controller.standby()
+            if trainer is None:
+                break
+        try:
+            trainer.train()
+        except Released as e:
+            losses.update(trainer.loss_by_iteration)
+            samples += trainer.samples_drawn
+            trainer = None
+            if e.leave:
+                break
+            continue
+        losses.update(trainer.loss_by_iteration)
+        samples += trainer.samples_drawn
+        controller.finish(trainer)
+        close(trainer)
+        break
+    return {"losses": losses, "samples": samples, "events": controller.events}
+
+
+def close(trainer: Trainer) -> None:
+    """Free the trainer's CUDA graph, then its groups (NCCL waits for the graphs first)."""
+    trainer.drop_cuda_graph()
+    trainer.groups.destroy()
