@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 
 from megadyn.launch import snapshots, startup
+from megadyn.launch.warm_up import warm_up
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.hooks import StepHook
 
@@ -134,7 +135,7 @@ def resume(trainer) -> None:
 
         with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
             reading = pool.submit(read_snapshot)
-            trainer.warm_up()  # the device groups meanwhile
+            warm_up(trainer)  # the device groups meanwhile
             loaded, seconds = reading.result()
         trainer.adopt(loaded)
         startup.mark("snapshot read beside a warm-up step")

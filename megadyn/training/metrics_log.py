@@ -1,7 +1,7 @@
 """The run's metrics as JSON lines: one record per log interval and per elastic event.
 
     log = MetricsLog.from_config(cfg)          # --metrics-file, default <--save>/metrics.jsonl
-    log.iteration(stats)                       # Trainer._log, on the logging rank
+    log.iteration(stats)                       # iteration_log.log_window, on the logging rank
     log.event("reconfiguration", event)        # Trainer.log_event (the elastic controller)
     records = read_metrics(path)               # tools/plot_run.py, tools/compare_losses.py
     by_iteration = iterations(records)         # {iteration: record}, the last of each

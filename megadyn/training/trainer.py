@@ -13,7 +13,6 @@ heartbeats and elastic controller as step hooks (hooks.py).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -29,26 +28,19 @@ from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
 from megadyn.training.build import build_model_parts, no_sync
 from megadyn.training.checkpoint_items import (
-    rng_items,
     rng_streams,
-    set_rng_items,
     set_rng_streams,
 )
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
 from megadyn.training.evaluation import evaluate
 from megadyn.training.hooks import StepHook, as_hooks
-from megadyn.training.metrics import (
-    IterationStats,
-    format_iteration_line,
-    mfu,
-    model_flops_per_iteration,
-    wandb_metrics,
-)
+from megadyn.training.iteration_log import log_window
 from megadyn.training.metrics_log import MetricsLog
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.state import TrainingState, TrainState
+from megadyn.training.tensors import adopt_tensors, export_tensors
 from megadyn.training.wandb_logger import create_wandb_logger
 
 
@@ -132,33 +124,13 @@ class Trainer:
 
     # --- live reshard (megadyn/elastic) ---------------------------------------------------------
     def export_state(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors of training state by global key (see megadyn/elastic/description):
-        weights, and the fp32 main weights and Adam moments of the range this rank updates."""
-        distributed = self.cfg.optimizer.use_distributed_optimizer
+        """This rank's tensors of training state by global key (megadyn/training/tensors.py)."""
         self.params_ready()
-        out = {}
-        for chunk in self.chunks:
-            for name, param in chunk.named_parameters():
-                out[f"model.{name}"] = param.detach()
-                for key, value in self.optimizer.shard_state(param).items():
-                    out[f"optim.{name}.{key}"] = value if distributed else value.view(param.shape)
-        return out
+        return export_tensors(self.chunks, self.optimizer, self.cfg.optimizer)
 
-    @torch.no_grad()
     def adopt_state(self, state: dict[str, torch.Tensor]) -> None:
         """Take weights and optimizer state received from the reshard (after `build`)."""
-        for chunk in self.chunks:
-            for name, param in chunk.named_parameters():
-                param.copy_(state[f"model.{name}"].view(param.shape))
-                start, end = self.optimizer.shard_range(param)
-                if end > start:
-                    self.optimizer.load_shard_state(
-                        param,
-                        {
-                            k: state[f"optim.{name}.{k}"].reshape(-1)
-                            for k in ("main", "exp_avg", "exp_avg_sq")
-                        },
-                    )
+        adopt_tensors(self.chunks, self.optimizer, state)
 
     # --- layout-free scalars (megadyn/training/state.py) ---------------------------------------
     def training_state(self) -> TrainingState:
@@ -257,12 +229,12 @@ class Trainer:
     def _no_sync(self):
         return no_sync(self.ddp)
 
-    def _zero_grads(self) -> None:
+    def zero_grads(self) -> None:
         self.optimizer.zero_grad()
         for d in self.ddp:
             d.zero_grad_buffer()
 
-    def _gradients(self, batches, n: int) -> list[torch.Tensor]:
+    def gradients(self, batches, n: int) -> list[torch.Tensor]:
         """Forward and backward of `n` micro batches from `batches`, then the reductions that
         make the gradients final; the micro batches' losses."""
         losses = forward_backward(
@@ -285,8 +257,8 @@ class Trainer:
         n = self.microbatches.num_micro_batches(consumed, g.dp_size)
         if g.tp_rank == 0 and g.pp_rank == 0:  # one small record per step, expanded on demand
             self.draws.append((consumed, g.dp_rank, g.dp_size, n))
-        self._zero_grads()
-        losses = self._gradients(self.train_loader, n)
+        self.zero_grads()
+        losses = self.gradients(self.train_loader, n)
         applied, grad_norm, _ = self.optimizer.step()
         if applied:
             self.scheduler.step(1)
@@ -324,8 +296,8 @@ class Trainer:
             last_norm = grad_norm if applied else last_norm
             it = self.state.iteration
             if it % log_every == 0 or it == self.train_iters:
-                history += self._log(
-                    window, last_norm, time.perf_counter() - start, len(window) or 1
+                history += log_window(
+                    self, window, last_norm, time.perf_counter() - start, len(window) or 1
                 )
                 window, start = [], time.perf_counter()
             if t.eval_interval and it % t.eval_interval == 0 and self.data.valid is not None:
@@ -351,49 +323,6 @@ class Trainer:
         self.finish_saves()
         self.wandb.finish()
         return history
-
-    def _log(self, window, grad_norm, seconds, iters) -> list[float]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        values = [w.item() for _, w in window]
-        self.step_seconds = seconds / iters
-        self.loss_by_iteration.update((i, v) for (i, _), v in zip(window, values))
-        if not self.logs:
-            return values
-        cfg, s = self.cfg, self.state
-        gbs = self.microbatches.global_batch_size(s.consumed_samples)
-        world = self.groups.layout.world_size
-        flops = model_flops_per_iteration(
-            self.model_cfg, gbs, cfg.data.seq_length, self.groups.tp_size
-        )
-        tflops = flops * iters / seconds / world / 1e12
-        peak = (
-            torch.cuda.max_memory_allocated(self.device) / 2**30
-            if self.device.type == "cuda"
-            else None
-        )
-        stats = IterationStats(
-            iteration=s.iteration,
-            train_iters=self.train_iters,
-            consumed_samples=s.consumed_samples,
-            elapsed_ms=1000 * seconds / iters,
-            learning_rate=self.scheduler.lr,
-            global_batch_size=gbs,
-            losses={"lm loss": sum(values) / max(len(values), 1)},
-            loss_scale=self.optimizer.loss_scale,
-            grad_norm=grad_norm,
-            skipped_iterations=s.skipped_iterations,
-            nan_iterations=s.nan_iterations,
-            tflops_per_gpu=tflops,
-            tokens_per_sec=gbs * cfg.data.seq_length * iters / seconds,
-            mfu=mfu(tflops),
-            peak_mem_gib=peak,
-        )
-        line = format_iteration_line(stats, log_throughput=cfg.logging.log_throughput)
-        self.print(line, flush=True)
-        self.wandb.log(wandb_metrics(stats), step=s.iteration)
-        self.metrics_log.iteration(stats)
-        return values
 
     def evaluate(self) -> float | None:
         """Validation loss over --eval-iters (megadyn/training/evaluation.py)."""
@@ -436,7 +365,7 @@ class Trainer:
 
     def read(self, path: str) -> ckpt.ReadCheckpoint:
         """Read a checkpoint or snapshot for this layout without touching the model (so it may
-        run in a thread beside `warm_up`)."""
+        run in a thread beside megadyn/launch/warm_up.py)."""
         c = self.cfg.checkpoint
         return ckpt.read_checkpoint(
             path,
@@ -464,29 +393,5 @@ class Trainer:
                 f" loaded checkpoint {read.path} at iteration {self.state.iteration} "
                 f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
                 f"RNG {'restored' if meta['rng_restored'] else 'reseeded'})",
-                flush=True,
-            )
-
-    def warm_up(self) -> None:
-        """A small collective in every process group, then one step's forward and backward on
-        the batch at the data cursor (the cursor does not move) with the gradients thrown away:
-        the next training step then pays no communicator setup, compilation or kernel choice.
-        The weights, optimizer, schedule and RNG streams are not read for anything kept, so
-        this runs while a snapshot is read (megadyn/launch/snapshot_keeper.py `resume`)."""
-        g, start = self.groups, time.perf_counter()
-        rng = rng_items(g, self.chunks)  # dropout in the warm-up must not move the streams
-        g.connect(self.device)
-        connected = time.perf_counter()
-        batch = self.train_loader.batch_at(self.train_loader.consumed_samples)
-        n = self.microbatches.num_micro_batches(self.state.consumed_samples, g.dp_size)
-        self._gradients(itertools.repeat(batch), n)
-        self._zero_grads()  # thrown away
-        set_rng_items(g, self.chunks, rng)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.logs:
-            self.print(
-                f" warm-up: communicators {connected - start:.1f} s, forward and backward "
-                f"{time.perf_counter() - connected:.1f} s",
                 flush=True,
             )
