@@ -20,7 +20,6 @@ follows its decisions, so all processes change layout at the same step boundary.
 from __future__ import annotations
 
 import json
-import os
 import time
 from datetime import timedelta
 
@@ -38,15 +37,16 @@ def connect(
     is_server: bool,
     world_size: int | None = None,
     timeout_s: float = 300.0,
+    launcher_port: int | None = None,
 ) -> dist.TCPStore:
     """The control store: the server on rank 0, clients elsewhere (and in the operator tool).
 
-    The server refuses torchrun's store port (MASTER_PORT): there torch's TCPStore, finding the
-    port taken, would go on as a client of torchrun's store, whose keys outlive an attempt, so
-    a restarted job would read the decisions of the attempt before it. Any other port it
-    cannot bind raises."""
-    under_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if is_server and under_agent_store and str(port) == os.environ.get("MASTER_PORT"):
+    The server refuses `launcher_port`, the port of torchrun's own store when the workers use
+    it (megadyn/launch/run.py passes it): there torch's TCPStore, finding the port taken,
+    would go on as a client of torchrun's store, whose keys outlive an attempt, so a restarted
+    job would read the decisions of the attempt before it. Any other port it cannot bind
+    raises."""
+    if is_server and port == launcher_port:
         raise RuntimeError(
             f"--elastic-control-port {port} is torchrun's store port (MASTER_PORT): "
             "pick another port for the control store"

@@ -96,7 +96,8 @@ def control_channel(cfg: MegadynConfig) -> ControlChannel:
     env = torchrun_env.current()
     host = env.master_addr or "127.0.0.1"
     port = cfg.elastic.control_port or (env.master_port or 29500) + 1
-    store = connect(host, port, is_server=dist.get_rank() == 0)
+    launcher_port = env.master_port if env.use_agent_store else None
+    store = connect(host, port, is_server=dist.get_rank() == 0, launcher_port=launcher_port)
     dist.barrier()  # the server is up before anyone else uses the channel
     return ControlChannel(store)
 

@@ -11,17 +11,15 @@ from megadyn.elastic.control import connect
 from megadyn.testing.spawn import _ephemeral_low, free_port
 
 
-def test_the_control_store_refuses_torchruns_store_port(monkeypatch):
+def test_the_control_store_refuses_torchruns_store_port():
     port = free_port()
     torchruns = dist.TCPStore(
         "127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False
     )
     torchruns.set("decision/10", '{"epoch": 1}')  # what an earlier attempt decided
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     # torch's TCPStore would go on as a client here and read the earlier attempt's keys
     with pytest.raises(RuntimeError, match=f"--elastic-control-port {port} is torchrun's store"):
-        connect("127.0.0.1", port, is_server=True, timeout_s=5)
+        connect("127.0.0.1", port, is_server=True, timeout_s=5, launcher_port=port)
     busy = socket.socket()
     busy.bind(("0.0.0.0", free_port()))
     busy.listen()
