@@ -28,6 +28,7 @@ import torch
 from megadyn.convert import ConversionError, export_hf, import_hf, relayout
 from megadyn.convert.hf_configs import FAMILIES
 from megadyn.convert.layouts import Target
+from megadyn.training.checkpoint_dirs import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -103,6 +104,6 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except ConversionError as e:
+    except (ConversionError, CheckpointError) as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -61,7 +61,7 @@ def open_checkpoint(path: str, flag: str = "--load-dir") -> MegadynCheckpoint:
     """The checkpoint at `path` (root or iter dir), checked against its own args."""
     found = path
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        found = latest_checkpoint(path) if os.path.isdir(path) else None
+        found = latest_checkpoint(path, flag) if os.path.isdir(path) else None
         if found is None:
             raise ConversionError(
                 f"{flag} {path}: no megadyn checkpoint (no {TRACKER}, no iter_* directory with "

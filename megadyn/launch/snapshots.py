@@ -187,15 +187,13 @@ class Recovery:
     iteration: int | None = None
     transfers: list[Transfer] = field(default_factory=list)
     unusable: list[tuple[int, str]] = field(default_factory=list)
+    """(iteration, what is wrong with it) of each newer snapshot passed over."""
     hosts: HostMap | None = None
     any_snapshot: bool = False
 
     def passed_over(self, root: str) -> list[str]:
         """The newer snapshots that could not be used, newest first, and why."""
-        return [
-            f"in-memory snapshot {iter_dir(root, it)} lacks {piece} on every host"
-            for it, piece in self.unusable
-        ]
+        return [f"in-memory snapshot {iter_dir(root, it)}: {why}" for it, why in self.unusable]
 
     def copies(self) -> list[str]:
         """The pieces copied between hosts, by pair of hosts."""
@@ -219,14 +217,14 @@ def choose(by_host: dict[str, dict[int, dict]], hosts: HostMap) -> Recovery:
         held = {h: inv[it]["files"] for h, inv in sorted(by_host.items()) if it in inv}
         need = _pieces_of(it, by_host)
         if need is None:
-            found.unusable.append((it, METADATA))
+            found.unusable.append((it, f"no host holds a readable {METADATA}"))
             continue
         source = {
             n: next((h for h in held if held[h].get(n, -1) >= s), None) for n, s in need.items()
         }
         lost = sorted(n for n, h in source.items() if h is None)
         if lost:
-            found.unusable.append((it, lost[0]))
+            found.unusable.append((it, _what_is_wrong(lost[0], need[lost[0]], held)))
             continue
         found.iteration = it
         for host in sorted(by_host):
@@ -239,6 +237,14 @@ def choose(by_host: dict[str, dict[int, dict]], hosts: HostMap) -> Recovery:
                     )
         return found
     return found
+
+
+def _what_is_wrong(name: str, size: int, held: dict[str, dict[str, int]]) -> str:
+    """Why no host's copy of piece `name` (`size` bytes at least) can be used."""
+    largest = max((files[name] for files in held.values() if name in files), default=None)
+    if largest is None:
+        return f"{name} is missing on every host"
+    return f"{name} is short on every host ({largest} of {size} bytes at most)"
 
 
 def _pieces_of(iteration: int, by_host: dict[str, dict[int, dict]]) -> dict[str, int] | None:

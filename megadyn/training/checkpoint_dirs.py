@@ -122,34 +122,36 @@ def _complete(path: str) -> bool:
     return os.path.isdir(path) and not damage(path)
 
 
-def _older(root: str, below: int | None) -> str:
+def _older(root: str, below: int | None, flag: str = "--load") -> str:
     """How to load, on purpose, the newest complete checkpoint under `root` older than
-    iteration `below` (a sentence to end an error with)."""
+    iteration `below` (a sentence to end an error with); `flag` names the directory to load."""
     for name in reversed(_iter_dirs(root)):
         it = _iteration_of(name)
         if (below is None or it < below) and _complete(os.path.join(root, name)):
-            return (
-                f" To resume from the older checkpoint of iteration {it} on purpose, give "
-                f"--ckpt-step {it} (or --load {os.path.join(root, name)})."
-            )
+            path = os.path.join(root, name)
+            if flag == "--load":  # pretrain_gpt.py
+                how, verb = f"--ckpt-step {it} (or --load {path})", "resume from"
+            else:  # a tool's own flag
+                how, verb = f"{flag} {path}", "use"
+            return f" To {verb} the older checkpoint of iteration {it} on purpose, give {how}."
     return f" There is no older complete checkpoint under {root}."
 
 
-def older_hint(path: str) -> str:
+def older_hint(path: str, flag: str = "--load") -> str:
     """`_older` for the checkpoint directory `path`: how to load the newest complete one
     beside it that is older."""
-    return _older(os.path.dirname(os.path.normpath(path)), _iteration_of(path))
+    return _older(os.path.dirname(os.path.normpath(path)), _iteration_of(path), flag)
 
 
-def _check(path: str, lead: str, gone: str) -> None:
+def _check(path: str, lead: str, gone: str, flag: str) -> None:
     """Raise a CheckpointError, led by `lead`, unless `path` is a complete checkpoint; `gone`
     says that the directory does not exist."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"{lead}{gone}.{older_hint(path)}")
+        raise CheckpointError(f"{lead}{gone}.{older_hint(path, flag)}")
     wrong = damage(path)
     if wrong:
         said = "; ".join(f"{os.path.join(path, name)} {what}" for name, what in wrong)
-        raise CheckpointError(f"{lead}{said}.{older_hint(path)}")
+        raise CheckpointError(f"{lead}{said}.{older_hint(path, flag)}")
 
 
 def latest_checkpoint(root: str, flag: str = "--load") -> str | None:
@@ -164,11 +166,11 @@ def latest_checkpoint(root: str, flag: str = "--load") -> str | None:
         text = f.read().strip()
     if not text.isdigit():
         raise CheckpointError(
-            f"{flag} {root}: {tracker} holds {text[:40]!r}, not an iteration.{_older(root, None)}"
+            f"{flag} {root}: {tracker} holds {text[:40]!r}, not an iteration.{_older(root, None, flag)}"
         )
     path = iter_dir(root, int(text))
     lead = f"{flag} {root}: {TRACKER} names iteration {int(text)}, but "
-    _check(path, lead, gone=f"{path} does not exist")
+    _check(path, lead, gone=f"{path} does not exist", flag=flag)
     return path
 
 
@@ -180,14 +182,14 @@ def find_checkpoint(path: str, flag: str = "--load") -> str | None:
     if _iteration_of(path) is not None or any(
         os.path.exists(os.path.join(path, n)) for n in (METADATA, STATE_FILE)
     ):
-        _check(path, f"{flag} {path}: ", gone="no such directory")
+        _check(path, f"{flag} {path}: ", gone="no such directory", flag=flag)
         return path
     found = latest_checkpoint(path, flag)
     dirs = _iter_dirs(path)
     if found is None and dirs:
         newest = os.path.join(path, dirs[-1])
         lead = f"{flag} {path}: no complete checkpoint under it (and no {TRACKER}); "
-        _check(newest, lead, gone=f"{newest} is gone")
+        _check(newest, lead, gone=f"{newest} is gone", flag=flag)
     return found
 
 

@@ -179,3 +179,28 @@ def test_command_line_error_exit_code(tmp_path):
     assert proc.stderr.startswith("convert_checkpoint.py: error: ") and "T5Model" in proc.stderr
     assert not os.path.exists(tmp_path / "out")
     assert torch.__version__  # the tool ran in a fresh interpreter
+
+
+def test_damaged_megadyn_checkpoint_is_one_line_naming_the_file(gpt2_ckpt, tmp_path):
+    """The tracker names a checkpoint with a short file: exit 2, one line that names the file
+    and the tool's own flag, no traceback, nothing written."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(gpt2_ckpt, bad)
+    piece = next((bad / "iter_0000000").glob("*.distcp"))
+    piece.write_bytes(piece.read_bytes()[:-7])
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"),
+         *export_args(str(bad), str(out))],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert_checkpoint.py: error: --load-dir "), (
+        lines
+    )
+    assert f"{piece} is short by 7 bytes" in lines[0], lines
+    assert "--load " not in lines[0] and "Traceback" not in proc.stderr
+    assert not os.path.exists(out)

@@ -174,8 +174,8 @@ def test_a_piece_lost_on_every_host_falls_back_to_the_disk_checkpoint(
     losses = spawn(run_as_host, world=2, args=(flags,))[1]
     out = capfd.readouterr().out
     assert (
-        f"recovery: no complete in-memory snapshot (in-memory snapshot {run}/shm/b/iter_0000006 "
-        f"lacks __1_0.distcp on every host); falling back to the disk checkpoint "
+        f"recovery: no complete in-memory snapshot (in-memory snapshot {run}/shm/b/iter_0000006"
+        f": __1_0.distcp is missing on every host); falling back to the disk checkpoint "
         f"{run}/disk/iter_0000003" in out
     ), out
     assert losses == pytest.approx(reference[3:], rel=1e-5)
@@ -186,7 +186,9 @@ def test_a_piece_lost_everywhere_without_a_disk_checkpoint_is_an_error(stopped_a
     for host in "ab":
         for it in ("iter_0000004", "iter_0000006"):
             os.remove(run / "shm" / host / it / ".metadata")
-    with pytest.raises(RuntimeError, match=r"iter_0000006 lacks \.metadata on every host, and"):
+    with pytest.raises(
+        RuntimeError, match=r"iter_0000006: no host holds a readable \.metadata, and"
+    ):
         spawn(run_as_host, world=2, args=(two_host_flags(run),))
 
 
@@ -235,7 +237,8 @@ def test_recovery_picks_the_newest_snapshot_whose_pieces_all_exist():
         "b": {8: {"files": {"megadyn.json": 5}, "need": None}, 4: {"files": {}, "need": None}},
     }
     found = choose(by_host, hosts)
-    assert found.iteration == 4 and found.unusable == [(8, "__1_0.distcp")]
+    assert found.iteration == 4
+    assert found.unusable == [(8, "__1_0.distcp is short on every host (50 of 100 bytes at most)")]
     assert found.transfers == [
         Transfer(name, size, 0, 1) for name, size in [*sorted(need.items()), ("megadyn.json", 5)]
     ]
