@@ -138,6 +138,12 @@ def open_training_data(prefix: str) -> IndexedDataset:
             f"--data-path {prefix}: no documents in {idx_path(prefix)}; preprocess a corpus "
             "that has some (tools/preprocess_data.py refuses an empty one)"
         )
+    tokens = int(indexed.sequence_lengths.sum(dtype=np.int64))
+    if tokens < 2:
+        raise IndexedDatasetError(
+            f"--data-path {prefix}: the {len(indexed)} documents of {idx_path(prefix)} hold "
+            f"{tokens} tokens; a sample needs at least 2"
+        )
     return indexed
 
 

@@ -158,3 +158,7 @@ def test_dataset_without_documents_is_an_error_naming_its_prefix(tmp_path):
     for data_path in ([empty], [full, empty], ["0.5", full, "0.5", empty]):
         with pytest.raises(ValueError, match=re.escape(empty) + r".*no documents"):
             build_gpt_datasets(data_path, "949,50,1", 16, 7, (5, 1, 1), None, 0)
+    hollow = str(tmp_path / "hollow")
+    make_indexed(hollow, [0] * 4)
+    with pytest.raises(ValueError, match=re.escape(hollow) + r".*4 documents .* hold 0 tokens"):
+        build_gpt_datasets([hollow], "949,50,1", 16, 7, (5, 1, 1), None, 0)
