@@ -29,81 +29,24 @@ def default_job_argv(
     pp = 2 if world_size >= 4 else 1
     dp = world_size // (tp * pp)
     micro = 4
-    size = (
-        [
-            "--num-layers",
-            "8",
-            "--hidden-size",
-            "512",
-            "--num-attention-heads",
-            "8",
-            "--seq-length",
-            "512",
-        ]
-        if on_gpu
-        else [
-            "--num-layers",
-            "4",
-            "--hidden-size",
-            "128",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "128",
-        ]
-    )
-    argv = size + [
-        "--max-position-embeddings",
-        "512",
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--pipeline-model-parallel-size",
-        str(pp),
-        "--micro-batch-size",
-        str(micro),
-        "--global-batch-size",
-        str(micro * dp * 4),
-        "--train-iters",
-        "300" if on_gpu else "200",
-        "--lr",
-        "1e-3",
-        "--min-lr",
-        "1e-4",
-        "--lr-decay-style",
-        "cosine",
-        "--lr-warmup-iters",
-        "10",
-        "--weight-decay",
-        "0.1",
-        "--clip-grad",
-        "1.0",
-        "--hidden-dropout",
-        "0.0",
-        "--attention-dropout",
-        "0.0",
-        "--data-path",
-        paths["data_prefix"],
-        "--split",
-        "98,2,0",
-        "--tokenizer-type",
-        paths["tokenizer_type"],
-        "--tokenizer-model",
-        paths["tokenizer_model"],
-        "--log-interval",
-        "10",
-        "--eval-interval",
-        "100",
-        "--eval-iters",
-        "2",
-        "--num-workers",
-        "0",
-        "--seed",
-        "1234",
-        "--save",
-        os.path.join(run_dir, "checkpoints"),
-        "--save-interval",
-        "100",
-    ]
+    layers, hidden, heads, seq = (8, 512, 8, 512) if on_gpu else (4, 128, 4, 128)
+    argv = f"""
+        --num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads}
+        --seq-length {seq} --max-position-embeddings 512
+        --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}
+        --micro-batch-size {micro} --global-batch-size {micro * dp * 4}
+        --train-iters {300 if on_gpu else 200}
+        --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10
+        --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0
+        --split 98,2,0 --log-interval 10 --eval-interval 100 --eval-iters 2
+        --num-workers 0 --seed 1234 --save-interval 100
+    """.split()
+    argv += [
+        "--data-path", paths["data_prefix"],
+        "--tokenizer-type", paths["tokenizer_type"],
+        "--tokenizer-model", paths["tokenizer_model"],
+        "--save", os.path.join(run_dir, "checkpoints"),
+    ]  # fmt: skip
     if on_gpu:
         argv += ["--bf16", "--use-distributed-optimizer"]
     return argv + extra
