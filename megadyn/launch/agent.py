@@ -19,7 +19,9 @@ Everything else is torchrun's own code: the command line (torch.distributed.run'
 and the summary. `launch` hands this agent class to torch.distributed.launcher.api's
 `launch_agent` (which builds a LocalElasticAgent by that module's name) for the duration of
 the run. Workers started as Python functions (--run-path) keep torchrun's behaviour: only
-worker processes (torchrun's SubprocessContext) are polled one by one here.
+worker processes (torchrun's SubprocessContext) are polled one by one here. Once an attempt
+kept survivors its monitoring is this class's alone: torchrun's check for workers stuck in
+uninterruptible sleep (in newer torch versions) no longer runs for that attempt.
 """
 
 from __future__ import annotations
