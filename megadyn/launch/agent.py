@@ -12,7 +12,10 @@ MASTER_ADDR:MASTER_PORT (`failed/<global rank>` in the attempt's key space: fail
 in one line, and the others keep running. When the last worker has exited the group succeeded
 if the ones that exited last all exited 0 (a summary line lists the failures survived); if any
 of them failed, torchrun's own path follows: restart the group while --max-restarts allows,
-else fail with torchrun's summary, whose root cause is the first failure.
+else fail with torchrun's summary, whose root cause is the first failure. An agent whose
+workers all failed has no survivor to keep and takes torchrun's path, which restarts the
+workers of every host (their agents see it waiting in the next rendezvous), even where the
+workers of other hosts could have gone on.
 
 Everything else is torchrun's own code: the command line (torch.distributed.run's parser and
 `run`), the rendezvous, the workers' start, environment and logs, restarts, the exit barrier
@@ -100,8 +103,8 @@ class SurvivorKeepingAgent(LocalElasticAgent):
 
     def _survivors_recover(self, worker_group: WorkerGroup) -> bool:
         """Whether the workers of this attempt declared that they recover in-process."""
-        store = self._failure_store(worker_group)
         try:
+            store = self._failure_store(worker_group)
             return store is not None and failures.recovering(store)
         except Exception as e:  # noqa: BLE001 - no store to record in: torchrun's path
             logger.warning("the agent's store did not answer (%s): stopping the workers", e)
