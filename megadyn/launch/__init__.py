@@ -7,7 +7,9 @@ once), distributed_init.py (the default process group), startup.py (where a star
 go), fork_server.py (restarted workers fork from a pre-imported process), watchdog.py
 (heartbeats), snapshots.py and snapshot_keeper.py (in-host-memory snapshots, resuming),
 replan.py (a layout for the world a restart came back with), errors.py (one message per
-failure). This package sits above megadyn/training, which never imports it.
+failure), `python -m megadyn.launch` (__main__.py, agent.py: torchrun whose agent keeps the
+survivors of a failed worker running) and failures.py (who died, as that agent records it).
+This package sits above megadyn/training, which never imports it.
 
 Nothing is imported here: fork_server.py's client runs before torch is imported.
 """

@@ -4,7 +4,8 @@
     env.restart_count                 # None outside torchrun; 0 on the first attempt
 
 torchrun (torch.distributed.elastic) starts every worker with its rank, world size, local rank,
-the agent's store address (MASTER_ADDR/MASTER_PORT), the run id and the attempt number. A plain
+the agent's store address (MASTER_ADDR/MASTER_PORT), the run id and the attempt number
+(`python -m megadyn.launch` adds whether it keeps survivors). A plain
 `python pretrain_gpt.py` has none of them: one process, rank 0. Only the standard library is
 imported here: fork_server.py's client reads it before torch is imported.
 """
@@ -40,6 +41,10 @@ class TorchrunEnv:
     """The workers' default store is the agent's (TORCHELASTIC_USE_AGENT_STORE)."""
     error_file: str | None
     """Where torchrun's summary reads this worker's error (TORCHELASTIC_ERROR_FILE)."""
+    keep_survivors: bool
+    """The agent keeps the other workers running when one fails and records the failure in its
+    store (MEGADYN_KEEP_SURVIVORS=1, set by `python -m megadyn.launch`: agent.py); False under
+    plain torchrun, which stops them all."""
 
     @property
     def under_torchrun(self) -> bool:
@@ -63,4 +68,5 @@ def current() -> TorchrunEnv:
         master_port=None if port is None else int(port),
         use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
+        keep_survivors=env.get("MEGADYN_KEEP_SURVIVORS") == "1",
     )

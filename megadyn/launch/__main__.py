@@ -1,0 +1,54 @@
+"""`python -m megadyn.launch`: torchrun's command line, whose agent keeps survivors (agent.py).
+
+    python -m megadyn.launch --nproc-per-node 8 --max-restarts 3 pretrain_gpt.py ...
+    python -m megadyn.launch --no-keep-survivors ...        # torchrun exactly
+    MEGADYN_KEEP_SURVIVORS=0 python -m megadyn.launch ...   # the same
+
+Every flag of torchrun (torch.distributed.run's own parser) means what it means there; the one
+added flag, --no-keep-survivors, goes before the training script like torchrun's own. With
+survivors kept the workers see MEGADYN_KEEP_SURVIVORS=1 (torchrun_env.keep_survivors).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from argparse import Namespace
+
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megadyn.launch.agent import KEEP_SURVIVORS_ENV, launch
+
+
+def parse_args(argv: list[str]) -> tuple[Namespace, bool]:
+    """torchrun's arguments, and whether the agent keeps survivors."""
+    parser = torchrun.get_args_parser()
+    parser.prog = "python -m megadyn.launch"
+    parser.add_argument(
+        "--no-keep-survivors",
+        "--no_keep_survivors",
+        action="store_true",
+        help="Stop every local worker when one fails, as torchrun does (also: "
+        f"{KEEP_SURVIVORS_ENV}=0). By default the others keep running once their attempt "
+        "declared that it recovers in-process, and the failure is recorded in the agent's "
+        "store (megadyn/launch/failures.py).",
+    )
+    args = parser.parse_args(argv)
+    keep = not args.no_keep_survivors and os.environ.get(KEEP_SURVIVORS_ENV, "1") != "0"
+    del args.no_keep_survivors
+    return args, keep
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    args, keep = parse_args(sys.argv[1:] if argv is None else argv)
+    if keep:  # the workers inherit the launcher's environment, as torchrun's OMP_NUM_THREADS
+        os.environ[KEEP_SURVIVORS_ENV] = "1"
+    elif os.environ.get(KEEP_SURVIVORS_ENV) == "1":  # --no-keep-survivors: torchrun's workers
+        del os.environ[KEEP_SURVIVORS_ENV]
+    launch(args, keep_survivors=keep)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""torchrun's elastic agent, keeping survivors: what `python -m megadyn.launch` runs.
+
+    launch(args, keep_survivors=True)     # args: torch.distributed.run's parsed command line
+
+torchrun's LocalElasticAgent polls its workers every --monitor-interval; when one has failed it
+stops every other local worker (SIGTERM, then SIGKILL after the shutdown timeout) and restarts
+the group while --max-restarts allows, else fails the job. `SurvivorKeepingAgent` changes one
+thing: a worker that exits non-zero or is killed by a signal while other workers of its group
+still run, in an attempt whose workers declared that they recover in-process
+(failures.declare_recovering), is recorded in the store the workers reach at
+MASTER_ADDR:MASTER_PORT (`failed/<global rank>` in the attempt's key space: failures.py), logged
+in one line, and the others keep running. When the last worker has exited the group succeeded
+if the ones that exited last all exited 0 (a summary line lists the failures survived); if any
+of them failed, torchrun's own path follows: restart the group while --max-restarts allows,
+else fail with torchrun's summary, whose root cause is the first failure. An agent whose
+workers all failed has no survivor to keep and takes torchrun's path, which restarts the
+workers of every host (their agents see it waiting in the next rendezvous), even where the
+workers of other hosts could have gone on.
+
+Everything else is torchrun's own code: the command line (torch.distributed.run's parser and
+`run`), the rendezvous, the workers' start, environment and logs, restarts, the exit barrier
+and the summary. `launch` hands this agent class to torch.distributed.launcher.api's
+`launch_agent` (which builds a LocalElasticAgent by that module's name) for the duration of
+the run. Workers started as Python functions (--run-path) keep torchrun's behaviour: only
+worker processes (torchrun's SubprocessContext) are polled one by one here. Once an attempt
+kept survivors its monitoring is this class's alone: torchrun's check for workers stuck in
+uninterruptible sleep (in newer torch versions) no longer runs for that attempt.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.distributed.launcher.api as launcher_api
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.utils.logging import get_logger
+
+from megadyn.launch import failures
+from megadyn.launch.distributed_init import attempt_prefix
+
+KEEP_SURVIVORS_ENV = "MEGADYN_KEEP_SURVIVORS"
+"""1 in the workers' environment when the agent keeps survivors (torchrun_env.keep_survivors);
+0 in the launcher's environment turns the behaviour off, as --no-keep-survivors does."""
+STORE_TIMEOUT = timedelta(seconds=10)
+logger = get_logger(__name__)
+
+
+def launch(args, keep_survivors: bool = True) -> None:
+    """Run torchrun's launcher on `args` (torch.distributed.run's parsed command line), with
+    `SurvivorKeepingAgent` as its agent when `keep_survivors`; otherwise torchrun exactly."""
+    if not keep_survivors:
+        torchrun.run(args)
+        return
+    with _agent_class(SurvivorKeepingAgent):
+        torchrun.run(args)
+
+
+@contextmanager
+def _agent_class(cls):
+    """torch.distributed.launcher.api.launch_agent builds its agent as `LocalElasticAgent(...)`,
+    read from its module: `cls` takes that name while the launcher runs."""
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = cls
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+class SurvivorKeepingAgent(LocalElasticAgent):
+    """torchrun's agent, except that a worker's failure leaves the others of its group running
+    when the attempt's workers recover in-process (module docstring)."""
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        spec = worker_group.spec
+        self._attempt = spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
+        self._kept: dict[int, ProcessFailure] = {}  # local rank -> its failure, this attempt
+        self._records = None  # the failure store of this attempt, connected at the first failure
+        return super()._start_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pcontext = self._pcontext
+        if not isinstance(pcontext, SubprocessContext):  # Python functions: torchrun's way
+            return super()._monitor_workers(worker_group)
+        exits = {lr: h.proc.poll() for lr, h in pcontext.subprocess_handlers.items()}
+        running = [lr for lr, code in exits.items() if code is None]
+        new = [lr for lr, code in exits.items() if code not in (None, 0) and lr not in self._kept]
+        if not self._kept and not (new and running and self._survivors_recover(worker_group)):
+            return super()._monitor_workers(worker_group)  # torchrun's decision, as before
+        if not running:  # the last workers exited
+            return self._group_result(worker_group, exits, new)
+        for local_rank in new:
+            self._keep(worker_group, local_rank, exits[local_rank], len(running))
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _survivors_recover(self, worker_group: WorkerGroup) -> bool:
+        """Whether the workers of this attempt declared that they recover in-process."""
+        try:
+            store = self._failure_store(worker_group)
+            return store is not None and failures.recovering(store)
+        except Exception as e:  # noqa: BLE001 - no store to record in: torchrun's path
+            logger.warning("the agent's store did not answer (%s): stopping the workers", e)
+            return False
+
+    def _failure_store(self, worker_group: WorkerGroup):
+        """A client of the store the workers reach at MASTER_ADDR:MASTER_PORT, in the attempt's
+        key space; None when that store is a worker's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
+        since it would go with that worker."""
+        if self._records is None and worker_group.spec.rdzv_handler.use_agent_store:
+            client = dist.TCPStore(
+                worker_group.master_addr,
+                worker_group.master_port,
+                is_master=False,
+                timeout=STORE_TIMEOUT,
+            )
+            self._records = dist.PrefixStore(attempt_prefix(self._attempt), client)
+        return self._records
+
+    def _keep(self, worker_group: WorkerGroup, local_rank: int, code: int, running: int):
+        """Record the failure of `local_rank` (exit status `code`) and log it; `running`
+        workers of this agent go on."""
+        failure = self._process_failure(local_rank, code)
+        self._kept[local_rank] = failure
+        worker = worker_group.workers[local_rank]
+        record = failures.WorkerFailure(
+            rank=worker.global_rank,
+            local_rank=local_rank,
+            group_rank=worker_group.group_rank,
+            host=socket.gethostname(),
+            pid=failure.pid,
+            exitcode=code,
+            time=time.time(),
+        )
+        try:
+            failures.record(self._records, record)
+        except Exception as e:  # noqa: BLE001 - the store went with its host: still keep going
+            logger.warning("megadyn.launch: could not record the failure in the store (%s)", e)
+        logger.warning(
+            "megadyn.launch: %s; %d worker(s) of this agent keep running (recorded under %s%s "
+            "in the agent's store)",
+            record.describe(),
+            running,
+            attempt_prefix(self._attempt),
+            failures.failed_key(record.rank),
+        )
+
+    def _process_failure(self, local_rank: int, code: int) -> ProcessFailure:
+        """torchrun's record of a failed worker process (its error file read, if it wrote one)."""
+        return ProcessFailure(
+            local_rank=local_rank,
+            pid=self._pcontext.pids()[local_rank],
+            exitcode=code,
+            error_file=self._pcontext.error_files[local_rank],
+        )
+
+    def _group_result(self, worker_group: WorkerGroup, exits: dict, last_failed: list):
+        """Every worker has exited, survivors kept before: succeeded when the last ones to exit
+        (those not recorded as failed while others ran) exited 0; else torchrun's FAILED, with
+        every failure of the attempt by global rank (the first one is the summary's root cause)
+        so that the agent restarts the group or fails the job."""
+        workers = worker_group.workers
+        kept = [self._describe(workers[lr], f) for lr, f in sorted(self._kept.items())]
+        if not last_failed:
+            logger.warning(
+                "megadyn.launch: the worker group finished; failures survived: %s", "; ".join(kept)
+            )
+            return RunResult(
+                state=WorkerState.SUCCEEDED,
+                return_values={w.global_rank: None for w in workers},
+            )
+        every = dict(self._kept)
+        every.update({lr: self._process_failure(lr, exits[lr]) for lr in last_failed})
+        first = min(every.values(), key=lambda f: f.timestamp)
+        logger.error(
+            "megadyn.launch: the survivors failed too (%s) after %s: the worker group failed "
+            "(first failure: exitcode %s, local_rank %s, pid %s)",
+            ", ".join(self._describe(workers[lr], every[lr]) for lr in last_failed),
+            "; ".join(kept),
+            first.exitcode,
+            first.local_rank,
+            first.pid,
+        )
+        return RunResult(
+            state=WorkerState.FAILED,
+            failures={workers[lr].global_rank: f for lr, f in every.items()},
+        )
+
+    @staticmethod
+    def _describe(worker, failure: ProcessFailure) -> str:
+        how = (
+            f"killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with {failure.exitcode}"
+        )
+        return f"rank {worker.global_rank} (pid {failure.pid}) {how}"
