@@ -34,6 +34,21 @@ def reconfiguration_event(rec: Reconfiguration, plan: Plan, times: tuple[float, 
     }
 
 
+def membership_event(rec: Reconfiguration) -> dict:
+    """The event of a change that keeps layout and members (a drained standby process leaves
+    the live set): nothing is planned or moved."""
+    layout = describe_layout(rec.layout)
+    return {
+        "event": rec.event,
+        "epoch": rec.epoch,
+        "iteration": rec.iteration,
+        "old": layout,
+        "new": layout,
+        "left": ",".join(map(str, rec.release)),
+        "total_s": 0.0,
+    }
+
+
 def format_event(event: dict) -> str:
     """The log line of a reconfiguration (tools/plot_run.py reads it)."""
     return " elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items())
