@@ -92,3 +92,54 @@ def test_sigterm_drains_members_and_standby_processes(tmp_path):
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
     drawn = Counter(s for r in results.values() for s in r["samples"])
     assert sorted(drawn) == list(range(12 * last)) and set(drawn.values()) == {1}
+
+
+def sigterm_at(rank: int, iteration: int):
+    """An on_line callback for run_torchrun: SIGTERM to `rank` once `iteration` is logged."""
+    sent = []
+
+    def on_line(line, agents):
+        m = LINE.search(line)
+        if not sent and m and int(m.group(1)) >= iteration:
+            pid = next(p for p in workers_of(agents[0].pid) if rank_of(p) == rank)
+            os.kill(pid, signal.SIGTERM)
+            sent.append(int(m.group(1)))
+
+    return on_line, sent
+
+
+def two_workers(*flags: str) -> list[str]:
+    master = free_port()
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(master), "pretrain_gpt.py", *TINY, "--train-iters", "2000",
+            *flags]  # fmt: skip
+
+
+def test_a_drain_below_min_members_ends_the_worker_as_sigterm_does():
+    # dp 2 with --elastic-min-members 2: rank 1 cannot leave; without --exit-signal-handler
+    # SIGTERM ends it after all (one line says so), and the job stops (no --max-restarts)
+    cmd = two_workers("--elastic-control-port", str(free_port()), "--elastic-min-members", "2")
+    on_line, sent = sigterm_at(1, 3)
+    (code,), log = run_torchrun([cmd], on_line, deadline_s=90)
+    print(log)
+    assert sent and code != 0, log[-3000:]
+    assert (
+        "elastic: drain of rank 1 refused: 1 members is below --elastic-min-members (2); "
+        "SIGTERM ends rank 1 (no --exit-signal-handler)" in log
+    ), log[-3000:]
+    assert "exitcode  : -15" in log and "Signal 15 (SIGTERM) received by PID" in log, log[-3000:]
+
+
+def test_exit_signal_handler_without_elastic_mode_saves_and_exits(tmp_path):
+    # Megatron-LM's --exit-signal-handler: the processes agree on the SIGTERM at the step
+    # boundary, save a checkpoint there and exit 0
+    ckpt = tmp_path / "ckpt"
+    cmd = two_workers("--exit-signal-handler", "--save", str(ckpt), "--save-interval", "10000")
+    on_line, sent = sigterm_at(1, 3)
+    (code,), log = run_torchrun([cmd], on_line, deadline_s=90)
+    print(log)
+    assert sent and code == 0, log[-3000:]
+    stop = re.search(r"SIGTERM received; saving a checkpoint and exiting at iteration (\d+)", log)
+    assert stop, log[-3000:]
+    assert (ckpt / f"iter_{int(stop.group(1)):07d}").is_dir()
+    assert int(stop.group(1)) < 2000
