@@ -148,10 +148,11 @@ class ElasticController:
         """The oldest drain notice as a reconfiguration (event "drain") or a refusal (stop, or
         "none"); None when no notice waits."""
 
-        def resolve(rank: int):
+        def resolve(rank: int, leaving: set[int]):
             self._calibrate(trainer)
+            live = [r for r in self.live if r == rank or r not in leaving]
             return resolve_drain(
-                rank, trainer.model_cfg, self.cfg, trainer.groups, self.live, cost=self.cost
+                rank, trainer.model_cfg, self.cfg, trainer.groups, live, cost=self.cost
             )
 
         return self.drain.decide(trainer, self.cfg, resolve, self.epoch + 1, self.print)

@@ -91,20 +91,33 @@ class Drain:
         except RequestError as e:
             return rid, Refusal(None, str(e))
 
+    def queued_ranks(self) -> set[int]:
+        """The ranks of the notices still queued (not to be picked as anyone's replacement)."""
+        ranks, first = set(), self.channel.handled(self.QUEUE)
+        for rid in range(first, int(self.channel.store.add(f"{self.QUEUE}/next", 0))):
+            pending = self.channel.pending_request(rid, self.QUEUE)
+            try:
+                ranks.add(Request.from_json(pending[1]).rank)
+            except (TypeError, RequestError):  # not written yet, or unreadable
+                continue
+        return ranks
+
     def decide(self, trainer, cfg, resolve: Callable, epoch: int, print_fn):
         """The leader's decision on the oldest notice: {"epoch": n} after publishing the
-        drain's reconfiguration `epoch` (`resolve(rank)`: requests.py resolve_drain), or the
-        refusal's decision; None when no notice waits."""
+        drain's reconfiguration `epoch` (`resolve(rank, leaving)`: requests.py resolve_drain,
+        where no rank of another queued notice takes anyone's place), or the refusal's
+        decision; None when no notice waits."""
         pending = self.pending()
         if pending is None:
             return None
         rid, notice = pending
+        leaving = self.queued_ranks()
         if isinstance(notice, Request):
             if cfg.elastic.recovery != "in-process":
                 notice = Refusal(notice.rank, "--elastic-recovery restart")
             else:
                 try:
-                    layout, members, release = resolve(notice.rank)
+                    layout, members, release = resolve(notice.rank, leaving)
                 except ValueError as e:  # a LayoutError: the layout rules refuse it
                     notice = Refusal(notice.rank, str(e))
         if isinstance(notice, Refusal):

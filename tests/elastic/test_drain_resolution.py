@@ -100,3 +100,26 @@ def test_a_refused_drain_stops_the_job_or_ends_the_drained_process(exit_signal_h
     else:
         assert decision == NONE and "SIGTERM ends rank 2 (no --exit-signal-handler)" in printed[0]
     assert ended == [1]  # the drained side reads the refusal (it acts on it only after "none")
+
+
+def test_a_standby_process_with_its_own_notice_queued_takes_no_place():
+    # rank 1 (a member) and standby rank 3 got SIGTERM at once: standby 4 replaces rank 1
+    channel = ControlChannel(connect("127.0.0.1", free_port(), is_server=True, timeout_s=10))
+    cfg, dp3 = config("--elastic-initial-members", "3", world=5), Layout(tp=1, pp=1, dp=3)
+    for rank in (1, 3):
+        Drain(channel, DrainSignal(received=lambda: True)).send(rank)
+    trainer = SimpleNamespace(
+        iteration=7,
+        groups=groups(dp3, (0, 1, 2)),
+        model_cfg=SimpleNamespace(vocab_size=60),
+        training_state_dict=lambda: {"state": {"iteration": 7}},
+    )
+
+    def resolve(rank, leaving):
+        live = [r for r in range(5) if r == rank or r not in leaving]
+        return resolve_drain(rank, cfg.model, cfg, trainer.groups, live)
+
+    assert Drain(channel).decide(trainer, cfg, resolve, 1, print) == {"epoch": 1}
+    rec = channel.epoch(1)
+    assert (rec.event, rec.members, rec.release) == ("drain", (0, 2, 4), (1,))
+    assert channel.answered(0, "drain") == {"status": "accepted", "epoch": 1}
