@@ -4,6 +4,10 @@ a rank below --elastic-min-members and --elastic-recovery restart are refused, a
 either stops the job (--exit-signal-handler) or ends the drained process as SIGTERM would."""
 
 import dataclasses
+import importlib.util
+import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -123,3 +127,27 @@ def test_a_standby_process_with_its_own_notice_queued_takes_no_place():
     rec = channel.epoch(1)
     assert (rec.event, rec.members, rec.release) == ("drain", (0, 2, 4), (1,))
     assert channel.answered(0, "drain") == {"status": "accepted", "epoch": 1}
+
+
+def test_the_operator_tool_sends_a_drain_notice_the_leader_reads():
+    path = Path(__file__).resolve().parents[2] / "tools" / "elastic_ctl.py"
+    spec = importlib.util.spec_from_file_location("elastic_ctl", path)
+    elastic_ctl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(elastic_ctl)
+    port = free_port()
+    channel = ControlChannel(connect("127.0.0.1", port, is_server=True, timeout_s=10))
+    codes = []
+    tool = threading.Thread(
+        target=lambda: codes.append(
+            elastic_ctl.main(["--port", str(port), "--timeout", "20", "drain", "2"])
+        )
+    )
+    tool.start()
+    leader = Drain(channel)
+    while (pending := leader.pending()) is None:
+        time.sleep(0.01)
+    rid, notice = pending
+    assert notice.action == "drain" and notice.rank == 2
+    channel.answer(rid, {"status": "accepted", "epoch": 1}, "drain")
+    tool.join(timeout=20)
+    assert codes == [0]
