@@ -6,10 +6,10 @@
 Every process of the job runs one `ElasticController`. After each training step the members ask
 the leader (the first member) whether to reconfigure; the leader reads drain notices (a process
 got SIGTERM: drain.py) and then operator requests from the control store (tools/elastic_ctl.py)
-and answers for all. Standby processes (started by
-torchrun but outside the layout) wait on the next reconfiguration. Layout-free scalars (train
-state, scheduler, optimizer step) travel in the reconfiguration's JSON; tensors move with the
-reshard plan and executor, straight from process to process, without a disk checkpoint.
+and answers for all. Standby processes (started by torchrun but outside the layout) wait on the
+next reconfiguration. Layout-free scalars (train state, scheduler, optimizer step) travel in the
+reconfiguration's JSON; tensors move with the reshard plan and executor, straight from process
+to process, without a disk checkpoint.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class ElasticController:
         self.epoch = rec.epoch
         if isinstance(rec, Finish):
             return None
-        if rec.layout == rec.old_layout and rec.members == rec.old_members:
+        if rec.event == "drain" and (rec.layout, rec.members) == (rec.old_layout, rec.old_members):
             return self._shrink_live_set(rec, trainer)  # a drained standby process leaves
         t0 = time.perf_counter()
         if trainer is not None:
