@@ -95,9 +95,11 @@ class Request:
         if self.action == "drain":
             given = [n for n in ("tp", "pp", "dp", "members") if getattr(self, n) is not None]
             given += ["vpp"] * (self.vpp != 1) + ["sp"] * self.sp + ["release"] * self.release
+            given += ["at_iteration"] * (self.at_iteration != 0)
             if given:
                 raise RequestError(
-                    f"a drain request takes no {', '.join(given)} (the drained rank always exits)"
+                    f"a drain request takes no {', '.join(given)} (the drained rank exits at the "
+                    "next step boundary)"
                 )
         if self.members is not None and self.dp is not None:
             raise RequestError("give members or dp, not both")

@@ -49,6 +49,7 @@ def test_a_request_survives_its_json(request_):
         ('{"action": "scale", "members": 2, "rank": 1}', "only a drain request, names a rank"),
         ('{"action": "drain", "rank": -1}', "rank must be an integer >= 0, got -1"),
         ('{"action": "drain", "rank": 1, "members": 2}', "a drain request takes no members"),
+        ('{"action": "drain", "rank": 1, "at_iteration": 5}', "takes no at_iteration"),
     ],
 )
 def test_a_malformed_request_is_refused_naming_the_field(text, reason):
