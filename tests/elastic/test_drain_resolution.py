@@ -1,10 +1,13 @@
 """A drain notice, resolved (pure, one control store, no training): a standby process takes the
 drained member's place; else the layout for the remaining members (pinned or planned); rank 0,
 a rank below --elastic-min-members and --elastic-recovery restart are refused, and the refusal
-either stops the job (--exit-signal-handler) or ends the drained process as SIGTERM would."""
+either stops the job (--exit-signal-handler) or ends the drained process as SIGTERM would.
+tools/elastic_ctl.py sends the same notice; SIGTERM is taken over only where the job acts on it
+(--elastic-recovery, --exit-signal-handler)."""
 
 import dataclasses
 import importlib.util
+import signal
 import threading
 import time
 from pathlib import Path
@@ -16,6 +19,7 @@ from megadyn.core.layout import Layout, LayoutError
 from megadyn.elastic.control import NONE, ControlChannel, connect
 from megadyn.elastic.drain import Drain, DrainSignal
 from megadyn.elastic.requests import resolve_drain
+from megadyn.launch import preemption
 from megadyn.testing import free_port
 from megadyn.training.arguments import parse_args
 
@@ -151,3 +155,31 @@ def test_the_operator_tool_sends_a_drain_notice_the_leader_reads():
     channel.answer(rid, {"status": "accepted", "epoch": 1}, "drain")
     tool.join(timeout=20)
     assert codes == [0]
+
+
+@pytest.mark.parametrize(
+    "flags, taken",
+    [
+        ((), False),  # no elastic mode: SIGTERM's default action
+        (("--exit-signal-handler",), True),
+        (("--elastic-control-port", "29999"), True),  # elastic mode: in-process by default
+        (("--elastic-control-port", "29999", "--elastic-recovery", "restart"), False),
+        (
+            (
+                "--elastic-control-port",
+                "29999",
+                "--elastic-recovery",
+                "restart",
+                "--exit-signal-handler",
+            ),
+            True,
+        ),
+    ],
+)
+def test_sigterm_is_taken_over_only_where_the_job_acts_on_it(flags, taken):
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert preemption.install(config(*flags)) is taken
+        assert (signal.getsignal(signal.SIGTERM) is not before) is taken
+    finally:
+        signal.signal(signal.SIGTERM, before)
