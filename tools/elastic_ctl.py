@@ -4,11 +4,13 @@
     python tools/elastic_ctl.py --port PORT layout --tp 1 --pp 2 [--vpp 2] [--sp] [--members 4]
     python tools/elastic_ctl.py --port PORT scale 2 [--release]     # release: those processes exit
     python tools/elastic_ctl.py --port PORT scale 4                 # standby processes join
+    python tools/elastic_ctl.py --port PORT drain 3                 # rank 3 leaves, exits 0
 
 The job listens on --elastic-control-port (default MASTER_PORT + 1) of its rank-0 host. A request
 is applied at the next step boundary (or at --at-iteration); the tool waits for the answer and
 prints it: the new layout and the time of each phase, or the reason it was refused (training then
-goes on with the old layout).
+goes on with the old layout). A drain is what a SIGTERM to that process does (README, elastic
+section): the answer says it was accepted, and the job's log has the reconfiguration.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import json
 import sys
 
-from megadyn.elastic.control import ControlChannel, connect
+from megadyn.elastic.control import ControlChannel, connect, queue_of
 from megadyn.elastic.records import Request, RequestError
 
 
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
         "--release", action="store_true", help="processes left out exit instead of waiting"
     )
     sc.add_argument("--at-iteration", type=int, default=0)
+    dr = sub.add_parser("drain", help="take process RANK out of the job, as SIGTERM does")
+    dr.add_argument("rank", type=int)
     a = p.parse_args(argv)
     try:
         request = None if a.command == "show" else request_of(a)
@@ -58,16 +62,18 @@ def main(argv=None) -> int:
         return 0
     rid = channel.submit(request)
     print(f"request {rid} submitted: {request.to_json()}", flush=True)
-    result = channel.result(rid, a.timeout)
+    result = channel.result(rid, a.timeout, queue_of(request))
     if result is None:
         print(f"no answer within {a.timeout:.0f} s (the request stays queued)", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=1))
-    return 0 if result.get("status") == "done" else 2
+    return 0 if result.get("status") in ("done", "accepted") else 2
 
 
 def request_of(a: argparse.Namespace) -> Request:
     """The request the command line asks for (RequestError: refused before it is sent)."""
+    if a.command == "drain":
+        return Request(action="drain", rank=a.rank)
     if a.command == "layout":
         fields = dict(tp=a.tp, pp=a.pp, vpp=a.vpp, sp=a.sp, members=a.members)
     else:

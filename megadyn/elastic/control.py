@@ -5,6 +5,11 @@ process of the job connect to it as clients. Keys:
 
     request/next            id of the next request to write (a counter)
     request/<id>            JSON of an operator request (records.py `Request`)
+    request/handled         requests the leaders handled so far
+    drain/next, drain/<id>, drain/handled, drain/result/<id>
+                            the same for drain notices (a process got SIGTERM: drain.py), a
+                            queue of their own so that none waits behind an operator request
+                            whose --at-iteration is still ahead
     decision/<iteration>    the leader's decision for the step boundary after <iteration>:
                             JSON {"epoch": n} or "none"
     epoch/<n>               JSON of reconfiguration n (records.py `Reconfiguration`, or `Finish`
@@ -76,16 +81,23 @@ class ControlChannel:
         RequestError before anything is queued); returns its id."""
         if not isinstance(request, Request):
             request = Request.from_dict(request)
-        rid = self.store.add("request/next", 1) - 1
-        self.store.set(f"request/{rid}", request.to_json())
+        queue = queue_of(request)
+        rid = self.store.add(f"{queue}/next", 1) - 1
+        self.store.set(f"{queue}/{rid}", request.to_json())
         return rid
 
-    def result(self, rid: int, timeout_s: float) -> dict | None:
+    def result(self, rid: int, timeout_s: float, queue: str = "request") -> dict | None:
         try:
-            self.store.wait([f"result/{rid}"], timedelta(seconds=timeout_s))
+            self.store.wait([_result_key(queue, rid)], timedelta(seconds=timeout_s))
         except Exception:  # noqa: BLE001 - a timeout: no answer yet
             return None
-        return _get_json(self.store, f"result/{rid}")
+        return _get_json(self.store, _result_key(queue, rid))
+
+    def answered(self, rid: int, queue: str = "request") -> dict | None:
+        """The answer to request `rid` if there is one yet (does not wait)."""
+        if not self.store.check([_result_key(queue, rid)]):
+            return None
+        return _get_json(self.store, _result_key(queue, rid))
 
     def state(self) -> dict | None:
         if not self.store.check(["state"]):
@@ -93,19 +105,19 @@ class ControlChannel:
         return _get_json(self.store, "state")
 
     # --- leader side -------------------------------------------------------------------------
-    def handled(self) -> int:
+    def handled(self, queue: str = "request") -> int:
         """Requests handled so far (kept in the store, so a new leader goes on from there)."""
-        return int(self.store.add("request/handled", 0))
+        return int(self.store.add(f"{queue}/handled", 0))
 
-    def mark_handled(self, rid: int) -> None:
-        self.store.add("request/handled", 1)
+    def mark_handled(self, rid: int, queue: str = "request") -> None:
+        self.store.add(f"{queue}/handled", 1)
 
-    def pending_request(self, handled: int) -> tuple[int, str] | None:
+    def pending_request(self, handled: int, queue: str = "request") -> tuple[int, str] | None:
         """The oldest request with id >= `handled` that was fully written, if any, as its id
         and its JSON (the leader decodes it: `Request.from_json`)."""
-        if not self.store.check([f"request/{handled}"]):
+        if not self.store.check([f"{queue}/{handled}"]):
             return None
-        return handled, self.store.get(f"request/{handled}").decode()
+        return handled, self.store.get(f"{queue}/{handled}").decode()
 
     def decide(self, iteration: int, decision) -> None:
         _set_json(self.store, f"decision/{iteration}", decision)
@@ -113,8 +125,8 @@ class ControlChannel:
     def publish_epoch(self, record: Reconfiguration | Finish) -> None:
         self.store.set(f"epoch/{record.epoch}", record.to_json())
 
-    def answer(self, rid: int, result: dict) -> None:
-        _set_json(self.store, f"result/{rid}", result)
+    def answer(self, rid: int, result: dict, queue: str = "request") -> None:
+        _set_json(self.store, _result_key(queue, rid), result)
 
     def publish_state(self, state: dict) -> None:
         _set_json(self.store, "state", state)
@@ -128,11 +140,22 @@ class ControlChannel:
         """Reconfiguration `n` (published before the decision that names it)."""
         return epoch_record(self.store.get(f"epoch/{n}").decode())
 
-    def wait_epoch(self, n: int, poll_s: float = 0.01) -> Reconfiguration | Finish:
+    def wait_epoch(self, n: int, poll_s: float = 0.01, on_poll=None) -> Reconfiguration | Finish:
         """Block, for as long as it takes, until reconfiguration `n` is published (polled: a
         store wait that times out prints a warning each time, and a standby process may wait
-        for hours)."""
+        for hours); `on_poll()` runs at each poll (a standby process sends its drain notice)."""
         key = f"epoch/{n}"
         while not self.store.check([key]):
+            if on_poll is not None:
+                on_poll()
             time.sleep(poll_s)
         return self.epoch(n)
+
+
+def queue_of(request: Request) -> str:
+    """The queue a request goes into: "drain" for drain notices, else "request"."""
+    return "drain" if request.action == "drain" else "request"
+
+
+def _result_key(queue: str, rid: int) -> str:
+    return f"result/{rid}" if queue == "request" else f"{queue}/result/{rid}"

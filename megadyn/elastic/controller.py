@@ -4,11 +4,12 @@
     processes) -> REBUILD (groups, model chunks, optimizer, loaders) -> RUNNING
 
 Every process of the job runs one `ElasticController`. After each training step the members ask
-the leader (the first member) whether to reconfigure; the leader reads operator requests from
-the control store (tools/elastic_ctl.py) and answers for all. Standby processes (started by
-torchrun but outside the layout) wait on the next reconfiguration. Layout-free scalars (train
-state, scheduler, optimizer step) travel in the reconfiguration's JSON; tensors move with the
-reshard plan and executor, straight from process to process, without a disk checkpoint.
+the leader (the first member) whether to reconfigure; the leader reads drain notices (a process
+got SIGTERM: drain.py) and then operator requests from the control store (tools/elastic_ctl.py)
+and answers for all. Standby processes (started by torchrun but outside the layout) wait on the
+next reconfiguration. Layout-free scalars (train state, scheduler, optimizer step) travel in the
+reconfiguration's JSON; tensors move with the reshard plan and executor, straight from process
+to process, without a disk checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.elastic.control import NONE, ControlChannel
 from megadyn.elastic.description import DistOpt
-from megadyn.elastic.events import format_event, reconfiguration_event
+from megadyn.elastic.drain import Drain, DrainSignal, Stopped
+from megadyn.elastic.events import format_event, membership_event, reconfiguration_event
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import Plan, plan_reshard
@@ -37,7 +39,7 @@ from megadyn.elastic.records import (
     RequestError,
     reconfiguration,
 )
-from megadyn.elastic.requests import resolve_request
+from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
 
 
@@ -64,14 +66,22 @@ class ElasticController:
     """One per process: the members' step hook, the standby loop and the reconfiguration."""
 
     def __init__(
-        self, cfg, channel: ControlChannel | None, device, *, make_trainer=None, print_fn=print
+        self,
+        cfg,
+        channel: ControlChannel | None,
+        device,
+        *,
+        make_trainer=None,
+        print_fn=print,
+        drain_signal: DrainSignal | None = None,
     ):
         """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
         `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
         weights uninitialized: they arrive through the reshard; the caller above this package
-        provides it (megadyn/launch/run.py)."""
+        provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
+        self.drain = Drain(channel, drain_signal)
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.events: list[dict] = []
@@ -84,6 +94,7 @@ class ElasticController:
         interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
             return
+        self.drain.send(dist.get_rank())  # after SIGTERM: this process's drain notice
         if dist.get_rank() == groups.grid.members[0]:  # the leader
             self.channel.publish_state(
                 {
@@ -97,10 +108,16 @@ class ElasticController:
             self.channel.decide(it, self._leader_decision(trainer))
         decision = self.channel.decision(it)
         if decision == NONE:
+            self.drain.fall_back_if_refused()
             return
+        if "stop" in decision:  # a refused drain under --exit-signal-handler
+            raise Stopped(decision["stop"])
         self.apply(self.channel.epoch(decision["epoch"]), trainer)
 
     def _leader_decision(self, trainer: ReshardableTrainer):
+        drain = self._drain_decision(trainer)  # drain notices first: a grace period runs
+        if drain is not None:
+            return drain
         pending = self.channel.pending_request(self.channel.handled())
         if pending is None:
             return NONE
@@ -115,14 +132,7 @@ class ElasticController:
         self.channel.mark_handled(rid)
         groups = trainer.groups
         try:
-            if trainer.step_seconds:  # calibrate the cost model on this layout's step time
-                t = self.cfg.training
-                self.cost.calibrate(
-                    trainer.model_cfg,
-                    t.global_batch_size,
-                    self.cfg.data.seq_length,
-                    [(groups.layout, t.micro_batch_size, t.recompute, trainer.step_seconds)],
-                )
+            self._calibrate(trainer)
             layout, members, release = resolve_request(
                 request, trainer.model_cfg, self.cfg, groups, self.live, cost=self.cost
             )
@@ -133,6 +143,30 @@ class ElasticController:
         )
         self.channel.publish_epoch(rec)
         return {"epoch": rec.epoch}
+
+    def _drain_decision(self, trainer: ReshardableTrainer):
+        """The oldest drain notice as a reconfiguration (event "drain") or a refusal (stop, or
+        "none"); None when no notice waits."""
+
+        def resolve(rank: int, leaving: set[int]):
+            self._calibrate(trainer)
+            live = [r for r in self.live if r == rank or r not in leaving]
+            return resolve_drain(
+                rank, trainer.model_cfg, self.cfg, trainer.groups, live, cost=self.cost
+            )
+
+        return self.drain.decide(trainer, self.cfg, resolve, self.epoch + 1, self.print)
+
+    def _calibrate(self, trainer: ReshardableTrainer) -> None:
+        """Calibrate the layout planner's cost model on this layout's measured step time."""
+        if trainer.step_seconds:
+            t = self.cfg.training
+            self.cost.calibrate(
+                trainer.model_cfg,
+                t.global_batch_size,
+                self.cfg.data.seq_length,
+                [(trainer.groups.layout, t.micro_batch_size, t.recompute, trainer.step_seconds)],
+            )
 
     def _refuse(self, rid: int, reason: Exception):
         self.channel.answer(rid, {"status": "refused", "reason": str(reason)})
@@ -151,6 +185,8 @@ class ElasticController:
         self.epoch = rec.epoch
         if isinstance(rec, Finish):
             return None
+        if rec.event == "drain" and (rec.layout, rec.members) == (rec.old_layout, rec.old_members):
+            return self._shrink_live_set(rec, trainer)  # a drained standby process leaves
         t0 = time.perf_counter()
         if trainer is not None:
             trainer.quiesce()  # a snapshot still being written uses the old groups
@@ -238,13 +274,30 @@ class ElasticController:
             if change.rec.request is not None:
                 self.channel.answer(change.rec.request, {"status": "done", **event})
 
+    def _shrink_live_set(self, rec: Reconfiguration, trainer):
+        """Only processes outside the layout leave: nothing moves, no group is built."""
+        self.live = [r for r in self.live if r not in rec.release]
+        event = membership_event(rec)
+        self.events.append(event)
+        if dist.get_rank() == rec.members[-1]:
+            self.print(format_event(event), flush=True)
+            trainer.log_event("reconfiguration", event)
+        if dist.get_rank() in rec.release or trainer is None:
+            raise Released(leave=dist.get_rank() in rec.release)
+        return trainer
+
     # --- standby processes -------------------------------------------------------------------
     def standby(self) -> ReshardableTrainer | None:
         """Wait for the next reconfiguration that includes this process; return its trainer,
         or None when the job finished."""
         rank = dist.get_rank()
+
+        def poll():  # after SIGTERM: the drain notice, and SIGTERM's end if it is refused
+            self.drain.send(rank)
+            self.drain.fall_back_if_refused()
+
         while True:
-            rec = self.channel.wait_epoch(self.epoch + 1)
+            rec = self.channel.wait_epoch(self.epoch + 1, on_poll=poll)
             if isinstance(rec, Finish):
                 return None
             try:

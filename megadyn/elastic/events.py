@@ -1,11 +1,12 @@
 """The timing event of a reconfiguration, and its log line.
 
     event = reconfiguration_event(rec, plan, (t0, t_plan, t_reshard, t_done))
-    print(format_event(event))   #  elastic: event: layout | epoch: 1 | iteration: 2 | old: ...
+    print(format_event(event))   #  elastic: event: drain | epoch: 1 | iteration: 2 | old: ...
 
 The event is what the controller keeps in `events`, reports to W&B, answers the operator's
-request with, and prints as one log line (tools/plot_run.py reads it): the phases' seconds
-(plan_s, reshard_s, rebuild_s, total_s) and the plan's bytes.
+request with, and prints as one log line (tools/plot_run.py reads it): what asked for it
+("layout", "scale", "drain"), the processes that left the job ("left", when some did), the
+phases' seconds (plan_s, reshard_s, rebuild_s, total_s) and the plan's bytes.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ def reconfiguration_event(rec: Reconfiguration, plan: Plan, times: tuple[float, 
     """`times`: perf_counter at the start, after PLAN, after RESHARD and after REBUILD."""
     t0, t_plan, t_reshard, t_done = times
     return {
-        "event": rec.event,
-        "epoch": rec.epoch,
-        "iteration": rec.iteration,
-        "old": describe_layout(rec.old_layout),
-        "new": describe_layout(rec.layout),
+        **_head(rec),
         "plan_s": round(t_plan - t0, 4),
         "reshard_s": round(t_reshard - t_plan, 4),
         "rebuild_s": round(t_done - t_reshard, 4),
@@ -32,6 +29,26 @@ def reconfiguration_event(rec: Reconfiguration, plan: Plan, times: tuple[float, 
         "bytes_local": plan.local_bytes,
         "max_rank_send_bytes": plan.max_send,
     }
+
+
+def membership_event(rec: Reconfiguration) -> dict:
+    """The event of a change that keeps layout and members (a drained standby process leaves
+    the live set): nothing is planned or moved."""
+    return {**_head(rec), "total_s": 0.0}
+
+
+def _head(rec: Reconfiguration) -> dict:
+    """What changed: the event, when, the layouts, and the processes that left the job."""
+    head = {
+        "event": rec.event,
+        "epoch": rec.epoch,
+        "iteration": rec.iteration,
+        "old": describe_layout(rec.old_layout),
+        "new": describe_layout(rec.layout),
+    }
+    if rec.release:
+        head["left"] = ",".join(map(str, rec.release))
+    return head
 
 
 def format_event(event: dict) -> str:

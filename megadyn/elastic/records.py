@@ -2,6 +2,7 @@
 
     request = Request(action="layout", tp=1, pp=2, at_iteration=20)   # tools/elastic_ctl.py
     channel.submit(request)                                 # stores request.to_json()
+    channel.submit(Request(action="drain", rank=2))         # rank 2 got SIGTERM (drain.py)
     Request.from_json(text)                                 # the leader; RequestError: refused
 
     rec = Reconfiguration(epoch=1, event="layout", layout=..., members=(0, 1), ...)
@@ -25,7 +26,7 @@ from megadyn.core.layout import Layout
 if TYPE_CHECKING:
     from megadyn.elastic.protocol import ReshardableTrainer
 
-ACTIONS = ("layout", "scale")
+ACTIONS = ("layout", "scale", "drain")
 
 
 class RequestError(ValueError):
@@ -44,10 +45,11 @@ def _read_object(text: str, what: str) -> dict:
 
 @dataclass(frozen=True)
 class Request:
-    """An operator request: a new layout, or a new number of processes.
+    """An operator request: a new layout, or a new number of processes; or a drain notice.
 
     "layout" takes tp, pp (None: as now), vpp, sp and members or dp (None: as many as now);
-    "scale" takes members and leaves the layout to --elastic-layout.
+    "scale" takes members and leaves the layout to --elastic-layout; "drain" takes the rank
+    that leaves the job (a preemption notice: megadyn/elastic/drain.py).
     """
 
     action: str = "layout"
@@ -68,10 +70,14 @@ class Request:
     """Processes left out exit instead of waiting as standby."""
     at_iteration: int = 0
     """Applied at the first step boundary at or after this iteration."""
+    rank: int | None = None
+    """The process that leaves the job (a drain; it exits 0)."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
-            raise RequestError(f"unknown request action {self.action!r} (use 'layout' or 'scale')")
+            raise RequestError(
+                f"unknown request action {self.action!r} (use 'layout', 'scale' or 'drain')"
+            )
         for name in ("tp", "pp", "vpp", "members", "dp"):
             value = getattr(self, name)
             optional = value is None and name != "vpp"  # None: as now
@@ -82,6 +88,19 @@ class Request:
         for name in ("sp", "release"):
             if type(getattr(self, name)) is not bool:
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if (self.action == "drain") != (self.rank is not None):
+            raise RequestError("a drain request, and only a drain request, names a rank")
+        if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
+            raise RequestError(f"rank must be an integer >= 0, got {self.rank!r}")
+        if self.action == "drain":
+            given = [n for n in ("tp", "pp", "dp", "members") if getattr(self, n) is not None]
+            given += ["vpp"] * (self.vpp != 1) + ["sp"] * self.sp + ["release"] * self.release
+            given += ["at_iteration"] * (self.at_iteration != 0)
+            if given:
+                raise RequestError(
+                    f"a drain request takes no {', '.join(given)} (the drained rank exits at the "
+                    "next step boundary)"
+                )
         if self.members is not None and self.dp is not None:
             raise RequestError("give members or dp, not both")
         if self.action == "scale":

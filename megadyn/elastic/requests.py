@@ -2,10 +2,12 @@
 
     Request(action="layout", tp=1, pp=2, vpp=1, sp=False, members=4)
     Request(action="scale", members=2, release=False)       # release: exit instead of standby
+    Request(action="drain", rank=3)                         # rank 3 got SIGTERM: it exits
 
 Members are kept in order; a scale-in keeps the first members, a scale-out adds standby
 processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, pp and vpp; under
-`auto` the layout planner picks the fastest layout that fits.
+`auto` the layout planner picks the fastest layout that fits. A drain puts the first standby
+process in the drained member's place (same layout), else scales in to the other members.
 """
 
 from __future__ import annotations
@@ -38,13 +40,8 @@ def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], c
         layout = Layout.from_world(n, tp, pp, request.vpp, request.sp)
     else:  # scale
         n = request.members
-        if cfg.elastic.layout == "pinned":
-            layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
-        else:
-            device_type = "cuda" if groups.backend == "nccl" else "cpu"
-            layout = plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
-    if n < cfg.elastic.min_members:
-        raise LayoutError(f"{n} members is below --elastic-min-members ({cfg.elastic.min_members})")
+        layout = layout_for_count(n, model_cfg, cfg, groups, cost=cost)
+    _check_min_members(n, cfg)
     if n > len(members) + len(standby):
         raise LayoutError(
             f"{n} members requested but only {len(members) + len(standby)} processes are live"
@@ -54,6 +51,45 @@ def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], c
     check_layout(layout, model_cfg, cfg)
     released = [r for r in members if r not in new_members] if request.release else []
     return layout, new_members, released
+
+
+def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None):
+    """(new layout, new members, released ranks) without process `rank`, which exits; raises
+    LayoutError to refuse (the job then falls back to --exit-signal-handler or SIGTERM)."""
+    members = list(groups.grid.members)
+    if rank == 0:
+        raise LayoutError(
+            "rank 0 hosts the control store (--elastic-control-port) that every process and "
+            "tools/elastic_ctl.py use, so it cannot leave the job"
+        )
+    if rank not in live:
+        raise LayoutError(f"rank {rank} is not a live process of the job")
+    if rank not in members:  # a standby process: it leaves the live set, the layout stays
+        return groups.layout, members, [rank]
+    standby = [r for r in live if r not in members and r != rank]
+    if standby:  # the first standby process takes the drained member's place
+        replaced = [standby[0] if r == rank else r for r in members]
+        return groups.layout, list(canonical_members(groups.layout, replaced)), [rank]
+    rest = [r for r in members if r != rank]
+    _check_min_members(len(rest), cfg)
+    layout = layout_for_count(len(rest), model_cfg, cfg, groups, cost=cost)
+    check_layout(layout, model_cfg, cfg)
+    return layout, list(canonical_members(layout, rest)), [rank]
+
+
+def layout_for_count(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
+    """The layout of `n` members after a scale: tp, pp and vpp kept under `--elastic-layout
+    pinned`, the layout planner's choice under `auto` (LayoutError when none fits)."""
+    old = groups.layout
+    if cfg.elastic.layout == "pinned":
+        return Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
+    device_type = "cuda" if groups.backend == "nccl" else "cpu"
+    return plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
+
+
+def _check_min_members(n: int, cfg) -> None:
+    if n < cfg.elastic.min_members:
+        raise LayoutError(f"{n} members is below --elastic-min-members ({cfg.elastic.min_members})")
 
 
 def plan_layout(model_cfg, cfg, num_members: int, *, device_type: str, cost=None) -> Layout:

@@ -7,8 +7,9 @@
 restart may replan the layout: replan.py), starts this host's fork server and the heartbeats,
 then `run`s the job. `run` trains on the job's first layout from the newest snapshot or --load
 (snapshot_keeper.resume); with live reconfiguration on, the elastic controller moves processes
-between training and standby at step boundaries. The runtime gives each trainer its step hooks
-(`step_hooks`): the snapshot schedule, the heartbeats and the controller, run in that order.
+between training and standby at step boundaries, and a SIGTERM drains a process from the job
+(preemption.py). The runtime gives each trainer its step hooks (`step_hooks`): the snapshot
+schedule, the heartbeats and the controller (or --exit-signal-handler's check), in that order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.distributed as dist
 from megadyn.core.groups import ParallelGroups
 from megadyn.elastic.control import ControlChannel, connect
 from megadyn.elastic.controller import ElasticController, Released
-from megadyn.launch import fork_server, startup, torchrun_env
+from megadyn.elastic.drain import DrainSignal, Stopped
+from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.launch.replan import config_for_world
 from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume
@@ -77,16 +79,17 @@ def main(argv: list[str] | None = None):
     return result
 
 
-def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, controller_hook=None) -> list:
+def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, last_hook=None) -> list:
     """The hooks the runtime gives a trainer, in the order they run at a step boundary: the
-    snapshot schedule (--elastic-snapshot-interval), the heartbeats, the elastic controller."""
+    snapshot schedule (--elastic-snapshot-interval), the heartbeats, and the elastic controller
+    (or, without it, --exit-signal-handler's check)."""
     hooks = []
     if cfg.elastic.snapshot_interval:
         hooks.append(SnapshotKeeper(cfg.elastic.snapshot_interval))
     if watchdog is not None:
         hooks.append(watchdog.step_hook)
-    if controller_hook is not None:
-        hooks.append(controller_hook)
+    if last_hook is not None:
+        hooks.append(last_hook)
     return hooks
 
 
@@ -107,7 +110,10 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
     of the logging rank. With it: this process's losses by iteration, the sample indices it
     drew and the reconfiguration events it took part in (a standby process trains only after
     it joins; after a torchrun restart the members start under the job's first layout)."""
-    controller = None
+    controller, last_hook = None, None
+    if preemption.install(cfg) and not cfg.elastic.live:  # --exit-signal-handler
+        saves = bool(cfg.checkpoint.save)
+        last_hook = preemption.ExitSignalHook(dist.group.WORLD, device, saves=saves)
     if cfg.elastic.live:
 
         def make_trainer(groups, training: dict, step_hook):  # a standby process joins
@@ -116,9 +122,16 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
             return Trainer(cfg, groups, device, state=state, init_weights=False, hooks=hooks)
 
         channel = control_channel(cfg)
+        drain_signal = DrainSignal(received=preemption.received, end=preemption.end)
         controller = ElasticController(
-            cfg, channel, device, make_trainer=make_trainer, print_fn=print_fn
+            cfg,
+            channel,
+            device,
+            make_trainer=make_trainer,
+            print_fn=print_fn,
+            drain_signal=drain_signal,
         )
+        last_hook = controller.step_hook
     layout = cfg.layout(dist.get_world_size())
     groups = ParallelGroups.build(
         layout, members=range(layout.world_size), timeout=cfg.parallel.distributed_timeout
@@ -132,7 +145,7 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
         )
     trainer = None
     if groups.is_member:  # the rest wait as standby processes of the controller
-        hooks = step_hooks(cfg, watchdog, controller and controller.step_hook)
+        hooks = step_hooks(cfg, watchdog, last_hook)
         with ThreadPoolExecutor(1, thread_name_prefix="megadyn-connect") as pool:
             connecting = pool.submit(groups.connect, device)  # beside the model build
             trainer = Trainer(cfg, groups, device, hooks=hooks)
@@ -140,7 +153,11 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
         startup.mark("groups, communicators, data, model and optimizer")
         resume(trainer)
     if controller is None:
-        history = trainer.train()
+        try:
+            history = trainer.train()
+        except Stopped:  # --exit-signal-handler
+            history = list(trainer.loss_by_iteration.values())
+            save_and_stop(trainer)
         for hook in hooks:  # the run is done: every host's snapshot dir goes
             if isinstance(hook, SnapshotKeeper):
                 hook.drop(trainer)
@@ -159,6 +176,8 @@ def train_elastic(controller: ElasticController, trainer: Trainer | None) -> dic
                 break
         try:
             trainer.train()
+        except Stopped:  # a drain was refused under --exit-signal-handler: save and exit
+            save_and_stop(trainer)
         except Released as e:
             losses.update(trainer.loss_by_iteration)
             samples += trainer.samples_drawn
@@ -172,6 +191,13 @@ def train_elastic(controller: ElasticController, trainer: Trainer | None) -> dic
         close(trainer)
         break
     return {"losses": losses, "samples": samples, "events": controller.events}
+
+
+def save_and_stop(trainer: Trainer) -> None:
+    """The job stops at this step boundary (--exit-signal-handler): a checkpoint with --save."""
+    if trainer.cfg.checkpoint.save:
+        trainer.save()
+    trainer.finish_saves()
 
 
 def close(trainer: Trainer) -> None:

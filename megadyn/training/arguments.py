@@ -160,6 +160,8 @@ def _add_elastic_args(p: argparse.ArgumentParser) -> None:
     el("--elastic-control-port", "control_port", type=int)
     el("--elastic-heartbeat-timeout", "heartbeat_timeout", type=float)
     el("--no-elastic-fork-server", "fork_server", action="store_false")
+    el("--elastic-recovery", "recovery", choices=["in-process", "restart"])
+    el("--exit-signal-handler", "exit_signal_handler", action="store_true")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:

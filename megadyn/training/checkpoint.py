@@ -135,6 +135,8 @@ def save_checkpoint(
 ) -> PendingSave:
     """Write the training state of this rank; returns a `PendingSave` (finished unless async).
 
+    `group`: the processes that write it, by default the layout's members (as a load reads it;
+    in elastic mode the world also holds standby processes and ones that left the job).
     `leader`: this rank prepares and renames the directory on its file system (default: rank 0
     of `group`; several ranks when `root` is a different directory on each host).
     `after_write(tmp)` runs after this rank's files are written, before the save can finish (in
@@ -151,6 +153,7 @@ def save_checkpoint(
         copied = torch.cuda.Event()
         copied.record()
     items.update(rng_items(groups, chunks))
+    group = groups.members_group if group is None else group
     tmp = os.path.join(root, f".iter_{iteration:07d}.partial")
     leader = dist.get_rank(group) == 0 if leader is None else leader
     if leader:

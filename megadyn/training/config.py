@@ -143,6 +143,14 @@ class ElasticConfig:
     with torch and megadyn imported, from which the workers of a restarted attempt fork
     instead of importing again (megadyn/launch/fork_server.py); --no-elastic-fork-server
     turns it off."""
+    recovery: str = "in-process"
+    """What a SIGTERM to a worker (a preemption notice) does in elastic mode: 'in-process' drains
+    it at the next step boundary as a live scale-in (a standby process takes its place when one
+    waits) and the process exits 0; 'restart' ends it, as without elastic mode, and torchrun
+    restarts the job. A kill -9 goes to the restart path either way (--elastic-recovery)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM that is not drained, save a checkpoint (with --save) at the next step boundary
+    and exit 0, as Megatron-LM does; without it SIGTERM ends the process (--exit-signal-handler)."""
 
     @property
     def live(self) -> bool:

@@ -22,6 +22,7 @@ from megadyn.elastic.records import (
         Request(action="layout", tp=1, pp=2, vpp=2, members=4, at_iteration=6),
         Request(action="layout", tp=2, pp=1, sp=True, dp=2),
         Request(action="scale", members=2, release=True, at_iteration=3),
+        Request(action="drain", rank=3),
     ],
 )
 def test_a_request_survives_its_json(request_):
@@ -44,6 +45,11 @@ def test_a_request_survives_its_json(request_):
         ('{"action": "scale"}', "a scale request needs members"),
         ('{"action": "scale", "members": 2, "tp": 2}', "a scale request takes no tp"),
         ('{"action": "scale", "members": 2, "at_iteration": -1}', "at_iteration must be"),
+        ('{"action": "drain"}', "a drain request, and only a drain request, names a rank"),
+        ('{"action": "scale", "members": 2, "rank": 1}', "only a drain request, names a rank"),
+        ('{"action": "drain", "rank": -1}', "rank must be an integer >= 0, got -1"),
+        ('{"action": "drain", "rank": 1, "members": 2}', "a drain request takes no members"),
+        ('{"action": "drain", "rank": 1, "at_iteration": 5}', "takes no at_iteration"),
     ],
 )
 def test_a_malformed_request_is_refused_naming_the_field(text, reason):

@@ -24,7 +24,7 @@ FLAGS = [
     "--no-gradient-accumulation-fusion",
     "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
-    "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-min-members", "--elastic-reshard-chunk-mb",
+    "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-recovery", "--exit-signal-handler", "--elastic-min-members", "--elastic-reshard-chunk-mb",
     "--elastic-snapshot-dir", "--elastic-snapshot-interval", "--end-weight-decay", "--eval-interval", "--eval-iters",
     "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--global-batch-size",
     "--group-query-attention", "--help", "--hidden-dropout", "--hidden-size", "--hysteresis",
