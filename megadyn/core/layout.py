@@ -143,6 +143,7 @@ class Layout:
         cp: int = 1,
     ) -> Layout:
         """The layout that fills `world_size` ranks with the given tp, cp and pp."""
+        Layout(tp=tp, pp=pp, vpp=vpp, cp=cp)  # a degree below 1 is refused, naming its flag
         if world_size % (tp * cp * pp):
             with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""
             raise LayoutError(

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.data.sampler import micro_batch_indices
-from megadyn.models import lm_loss
+from megadyn.models import lm_loss_for
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
 from megadyn.training.build import build_model_parts, no_sync
@@ -100,6 +100,7 @@ class Trainer:
         )
         self.tracker, self.chunks, self.ddp = parts.tracker, parts.chunks, parts.ddp
         self.optimizer, self.pipeline_cfg = parts.optimizer, parts.pipeline_cfg
+        self.loss_fn = lm_loss_for(groups.cp_group)  # over whole sequences under cp
         previous = getattr(self, "scheduler", None)
         self.scheduler = LRScheduler.from_config(
             cfg.scheduler, cfg.optimizer, self.train_iters, optimizer=self.optimizer
@@ -271,7 +272,7 @@ class Trainer:
             batches,
             n,
             config=self.pipeline_cfg,
-            loss_fn=lm_loss,
+            loss_fn=self.loss_fn,
             no_sync=self._no_sync,
             cuda_graph=self.cuda_graph,
             loss_scale=self.optimizer.loss_scale,

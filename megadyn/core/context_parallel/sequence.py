@@ -55,5 +55,6 @@ def split_batch(batch: dict, cp_rank: int, cp_size: int) -> dict:
         b, s = batch["tokens"].shape
         out["position_ids"] = torch.arange(s, device=batch["tokens"].device).expand(b, s)
     for key in SEQUENCE_KEYS:
-        out[key] = split_sequence(out[key], cp_rank, cp_size, dim=1)
+        if key in out:
+            out[key] = split_sequence(out[key], cp_rank, cp_size, dim=1)
     return out

@@ -1,0 +1,127 @@
+"""Context parallelism equals the single-process model: logits, loss and every gradient, for
+cp 2 and 4 alone, cp 2 with tp 2 (with and without sequence parallelism) and cp 2 with dp 2,
+both --cp-comm-type variants, GPT-2 (learned positions) and Llama (RoPE, grouped queries).
+
+One spawned job of 4 processes runs every case (a layout over ranks [0, 1] leaves 2 and 3 out,
+as standby processes); the gradients go through the training path: the pipeline's micro-batch
+steps (which take each rank's chunks of the batch), DDP over dp x cp and finalize_model_grads.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megadyn.core.context_parallel import local_positions, split_batch
+from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.layout import Layout
+from megadyn.core.pipeline import PipelineConfig, forward_backward
+from megadyn.models import GPTModel, init_chunk, lm_loss_for
+from megadyn.testing import spawn
+from tests.core.pipeline_helpers import (
+    SEED,
+    assert_rel,
+    global_grads,
+    make_cfg,
+    micro_batches,
+    reference_step,
+)
+
+SEQ, M = 16, 2
+CASES = [  # (layout, members)
+    (Layout(cp=2), [0, 1]),
+    (Layout(cp=4), [0, 1, 2, 3]),
+    (Layout(tp=2, cp=2), [0, 1, 2, 3]),
+    (Layout(tp=2, cp=2, sequence_parallel=True), [0, 1, 2, 3]),
+    (Layout(cp=2, dp=2), [0, 1, 2, 3]),
+]
+
+
+def gathered_logits(model, batch, groups) -> torch.Tensor:
+    """Logits [S, b, V] of the whole sequence, from every tp and cp rank's pieces."""
+    with torch.no_grad():
+        local = model(batch["tokens"], batch["position_ids"])  # [s/cp, b, V/tp]
+    pieces = [None] * groups.tp_size
+    dist.all_gather_object(pieces, local, group=groups.tp_group)
+    local = torch.cat(pieces, dim=-1)  # [s/cp, b, V]
+    pieces = [None] * groups.cp_size
+    dist.all_gather_object(pieces, local, group=groups.cp_group)
+    full = torch.empty((SEQ,) + local.shape[1:])
+    for r, piece in enumerate(pieces):
+        full[local_positions(SEQ, r, groups.cp_size)] = piece
+    return full
+
+
+def run_case(layout, members, variant, comm_type, references) -> None:
+    groups = ParallelGroups.build(layout, members)
+    if not groups.is_member:
+        return groups.destroy()
+    cfg = make_cfg(variant, 2, seq=SEQ, cp_comm_type=comm_type)
+    model = GPTModel(
+        cfg,
+        tp_group=groups.tp_group,
+        cp_group=groups.cp_group,
+        sequence_parallel=layout.sequence_parallel,
+    )
+    init_chunk(model, SEED)
+    ddp = DistributedDataParallel(model, groups.dp_cp_group)
+    batches = micro_batches(groups.dp_rank, M, SEQ)
+    losses = forward_backward(
+        [ddp],
+        groups,
+        iter(batches),
+        M,
+        config=PipelineConfig(hidden_size=cfg.hidden_size, dtype=cfg.params_dtype),
+        loss_fn=lm_loss_for(groups.cp_group),
+    )
+    finalize_model_grads([ddp], groups)
+    what = f"{layout} {variant} {comm_type}"
+    ref_model, ref_losses, ref_grads = references[(variant, layout.dp)]
+    # (assert_close would import torch.distributed.tensor: seconds in every process)
+    assert_rel(torch.stack(losses), torch.stack(ref_losses[groups.dp_rank]), f"{what} loss")
+    for p in model.parameters():
+        p.grad = p.main_grad  # the reduced gradient, where global_grads reads it
+    for name, grad in global_grads([model], groups, cfg).items():
+        assert_rel(grad, ref_grads[name], f"{what} grad {name}")
+    batch = split_batch(batches[0], groups.cp_rank, groups.cp_size)
+    with torch.no_grad():
+        ref_logits = ref_model(batches[0]["tokens"], batches[0]["position_ids"])
+    assert_rel(gathered_logits(model, batch, groups), ref_logits, f"{what} logits")
+    ddp.remove_hooks()
+    groups.destroy()
+
+
+def body(rank, world):
+    references = {}
+    for variant in ("gpt2", "llama"):
+        for dp in (1, 2):
+            model = GPTModel(make_cfg(variant, 2, seq=SEQ))
+            init_chunk(model, SEED)
+            losses = reference_step(model, M, dp, seq=SEQ)
+            references[(variant, dp)] = (
+                model,
+                losses,
+                {n: p.grad for n, p in model.named_parameters()},
+            )
+    for layout, members in CASES:
+        for variant in ("gpt2", "llama"):
+            for comm_type in ("p2p", "all_gather"):
+                run_case(layout, members, variant, comm_type, references)
+
+
+def test_context_parallel_matches_single_process():
+    spawn(body, world=4)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_rank_holds_an_early_and_a_late_chunk(cp):
+    seq = 4 * cp
+    positions = [local_positions(seq, r, cp).tolist() for r in range(cp)]
+    assert sorted(p for rank in positions for p in rank) == list(range(seq))
+    c = seq // (2 * cp)
+    assert positions[0][:c] == list(range(c)) and positions[0][c:] == list(range(seq - c, seq))
+    batch = {"tokens": torch.arange(seq).expand(2, seq), "loss_mask": torch.ones(2, seq)}
+    for r in range(cp):
+        part = split_batch(batch, r, cp)
+        assert part["tokens"][0].tolist() == positions[r]
+        assert part["position_ids"][1].tolist() == positions[r]
