@@ -84,7 +84,6 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
         return
     el, flag = cfg.elastic, "--context-parallel-size"
     unsupported = {
-        "--pipeline-model-parallel-size > 1": layout.pp > 1,
         "--attention-dropout > 0": cfg.model.attention_dropout > 0,
         "--enable-cuda-graph": cfg.training.enable_cuda_graph,
         "--tp-comm-overlap": cfg.model.tp_comm_overlap,
