@@ -1,7 +1,7 @@
 """Context parallelism equals the single-process model: logits, loss and every gradient, for
 cp 2 and 4 alone, cp 2 with tp 2 (with and without sequence parallelism), with dp 2 and with
 pp 2 (also interleaved), both --cp-comm-type variants, GPT-2 (learned positions) and Llama
-(RoPE, grouped queries).
+(RoPE, grouped queries); and with full and selective recomputation (Llama, ring).
 
 One spawned job of 4 processes runs every case (a layout over ranks [0, 1] leaves 2 and 3 out,
 as standby processes); the gradients go through the training path: the pipeline's micro-batch
@@ -17,6 +17,7 @@ from megadyn.core.distributed import DistributedDataParallel, finalize_model_gra
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.pipeline import PipelineConfig, forward_backward
+from megadyn.core.recompute import RecomputeConfig
 from megadyn.models import GPTModel, build_gpt_chunks, init_chunk, lm_loss_for
 from megadyn.testing import spawn
 from tests.core.pipeline_helpers import (
@@ -29,16 +30,26 @@ from tests.core.pipeline_helpers import (
 )
 
 SEQ, M = 16, 2
-CASES = [  # (layout, members)
-    (Layout(cp=2), [0, 1]),
-    (Layout(cp=4), [0, 1, 2, 3]),
-    (Layout(tp=2, cp=2), [0, 1, 2, 3]),
-    (Layout(tp=2, cp=2, sequence_parallel=True), [0, 1, 2, 3]),
-    (Layout(cp=2, dp=2), [0, 1, 2, 3]),
-    (Layout(cp=2, pp=2), [0, 1, 2, 3]),
-    (Layout(cp=2, pp=2, vpp=2), [0, 1, 2, 3]),
+ALL, BOTH = [0, 1, 2, 3], ("p2p", "all_gather")
+CASES = [  # (layout, members, model variant, --cp-comm-types)
+    (Layout(cp=2), [0, 1], "gpt2", ("p2p",)),
+    (Layout(cp=2), [0, 1], "llama", BOTH),
+    (Layout(cp=4), ALL, "gpt2", ("p2p",)),
+    (Layout(cp=4), ALL, "llama", BOTH),
+    (Layout(tp=2, cp=2), ALL, "gpt2", ("all_gather",)),
+    (Layout(tp=2, cp=2), ALL, "llama", ("p2p",)),
+    (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", BOTH),
+    (Layout(cp=2, dp=2), ALL, "gpt2", ("p2p",)),
+    (Layout(cp=2, dp=2), ALL, "llama", ("all_gather",)),
+    (Layout(cp=2, pp=2), ALL, "llama", ("p2p",)),
+    (Layout(cp=2, pp=2, vpp=2), ALL, "gpt2", ("p2p",)),
 ]
 LAYERS = 4
+RECOMPUTE = [  # the ring's exchanges run again in the backward pass; on ranks 0 and 1 only, as
+    # torch's checkpoint costs seconds of imports at its first use in a process
+    RecomputeConfig("full", "uniform", 1),
+    RecomputeConfig("selective"),
+]
 
 
 def gathered_logits(model, batch, groups) -> torch.Tensor:
@@ -56,12 +67,12 @@ def gathered_logits(model, batch, groups) -> torch.Tensor:
     return full
 
 
-def run_case(layout, members, variant, comm_type, references) -> None:
+def run_case(layout, members, variant, comm_type, references, recompute=None) -> None:
     groups = ParallelGroups.build(layout, members)
     if not groups.is_member:
         return groups.destroy()
     cfg = make_cfg(variant, LAYERS, seq=SEQ, cp_comm_type=comm_type)
-    chunks = build_gpt_chunks(cfg, groups, seed=SEED)
+    chunks = build_gpt_chunks(cfg, groups, recompute_cfg=recompute, seed=SEED)
     ddp = [DistributedDataParallel(chunk, groups.dp_cp_group) for chunk in chunks]
     batches = micro_batches(groups.dp_rank, M, SEQ)
     losses = forward_backward(
@@ -73,7 +84,7 @@ def run_case(layout, members, variant, comm_type, references) -> None:
         loss_fn=lm_loss_for(groups.cp_group),
     )
     finalize_model_grads(ddp, groups)
-    what = f"{layout} {variant} {comm_type}"
+    what = f"{layout} {variant} {comm_type} {recompute}"
     ref_model, ref_losses, ref_grads = references[(variant, layout.dp)]
     if groups.is_last_stage:
         # (assert_close would import torch.distributed.tensor: seconds in every process)
@@ -104,10 +115,11 @@ def body(rank, world):
                 losses,
                 {n: p.grad for n, p in model.named_parameters()},
             )
-    for layout, members in CASES:
-        for variant in ("gpt2", "llama"):
-            for comm_type in ("p2p", "all_gather"):
-                run_case(layout, members, variant, comm_type, references)
+    for layout, members, variant, comm_types in CASES:
+        for comm_type in comm_types:
+            run_case(layout, members, variant, comm_type, references)
+    for recompute in RECOMPUTE:
+        run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, recompute)
 
 
 def test_context_parallel_matches_single_process():
