@@ -87,7 +87,6 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
         "--attention-dropout > 0": cfg.model.attention_dropout > 0,
         "--enable-cuda-graph": cfg.training.enable_cuda_graph,
         "--tp-comm-overlap": cfg.model.tp_comm_overlap,
-        "--elastic-control-port / --elastic-initial-members (live reconfiguration)": el.live,
         "--elastic-snapshot-interval": el.snapshot_interval > 0,
     }
     for other, used in unsupported.items():

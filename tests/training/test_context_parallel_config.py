@@ -43,7 +43,6 @@ def test_cp_is_a_layout_dimension():
         ("--context-parallel-size 2 --attention-dropout 0.1", 2, "--context-parallel-size"),
         ("--context-parallel-size 2 --enable-cuda-graph --hidden-dropout 0", 2,
          "--context-parallel-size"),
-        ("--context-parallel-size 2 --elastic-control-port 29999", 2, "--context-parallel-size"),
         ("--context-parallel-size 2 --elastic-snapshot-interval 2", 2,
          "--context-parallel-size"),
         ("--context-parallel-size 0", 2, "--context-parallel-size"),
