@@ -147,11 +147,6 @@ class ParallelGroups:
         return self.coords.cp
 
     @property
-    def dp_cp_rank(self) -> int:
-        """This rank's place among the dp x cp ranks holding its weights (cp fastest)."""
-        return self.coords.cp + self.coords.dp * self.layout.cp
-
-    @property
     def cp_size(self) -> int:
         return self.layout.cp
 
