@@ -221,7 +221,8 @@ class Trainer:
 
     @property
     def samples_drawn(self) -> list[int]:
-        """Global sample indices this rank's data-parallel replica read (tp 0, first stage)."""
+        """Global sample indices this rank's data-parallel replica read (tp 0, cp 0, first
+        stage)."""
         mbs = self.cfg.training.micro_batch_size
         return [
             i
@@ -284,7 +285,7 @@ class Trainer:
         consumed = self.state.consumed_samples
         g = self.groups
         n = self.microbatches.num_micro_batches(consumed, g.dp_size)
-        if g.tp_rank == 0 and g.pp_rank == 0:  # one small record per step, expanded on demand
+        if g.tp_rank == g.cp_rank == g.pp_rank == 0:  # one small record per step, expanded later
             self.draws.append((consumed, g.dp_rank, g.dp_size, n))
         self._zero_grads()
         losses = self._gradients(self.train_loader, n)

@@ -3,6 +3,7 @@ distributed optimizer sharded over dp x cp, after a resume at cp 1 from its chec
 across live changes tp 2 -> cp 2 -> dp 2 (tools/elastic_ctl.py's requests)."""
 
 import os
+from collections import Counter
 
 import pytest
 
@@ -51,5 +52,7 @@ def test_live_changes_tp2_cp2_dp2_train_like_cp1(single):
     for r in results:
         losses.update(r["losses"])
     close([losses[i] for i in range(1, len(single) + 1)], single)
+    drawn = Counter(s for r in results for s in r["samples"])  # each sample read once
+    assert sorted(drawn) == list(range(4 * len(single))) and set(drawn.values()) == {1}
     events = [e for r in results for e in r["events"]]
     assert {e["new"] for e in events} == {"tp1xcp2xpp1xdp1", "tp1xpp1xdp2"}
