@@ -84,3 +84,44 @@ def test_bad_layouts_refused():
         RankGrid(Layout(tp=2, dp=2), (0, 1, 2))
     with pytest.raises(LayoutError, match="--pipeline-model-parallel-size"):
         Layout.from_world(6, tp=2, pp=2)
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", [(1, 2, 1, 1), (2, 2, 2, 1), (1, 4, 1, 2), (2, 2, 1, 2)])
+def test_context_parallel_rank_order_and_groups(tp, cp, dp, pp):
+    layout = Layout(tp=tp, cp=cp, dp=dp, pp=pp)
+    members = tuple(range(10, 10 + layout.world_size))
+    grid = RankGrid(layout, members)
+    for pos, rank in enumerate(members):
+        c = grid.coords_of(rank)
+        assert pos == c.tp + c.cp * tp + c.dp * tp * cp + c.pp * tp * cp * dp  # Megatron's order
+        assert grid.rank_of(c) == rank
+    for groups, size in (
+        (grid.tp_groups(), tp),
+        (grid.cp_groups(), cp),
+        (grid.dp_groups(), dp),
+        (grid.dp_cp_groups(), dp * cp),
+        (grid.pp_groups(), pp),
+        (grid.mp_groups(), tp * pp),
+    ):
+        assert sorted(r for g in groups for r in g) == sorted(members)
+        assert all(len(g) == size for g in groups)
+    for group in grid.dp_cp_groups():  # the ranks holding the same weights: same tp and pp
+        assert len({(grid.coords_of(r).tp, grid.coords_of(r).pp) for r in group}) == 1
+    assert grid.cp_groups()[0] == [members[i * tp] for i in range(cp)]
+
+
+def test_layout_without_cp_has_dp_groups_as_dp_cp_groups():
+    grid = RankGrid(Layout(tp=2, dp=2, pp=2), tuple(range(8)))
+    assert grid.dp_cp_groups() == grid.dp_groups()
+    assert grid.cp_groups() == [[r] for r in range(8)]
+
+
+def test_cp_sequence_length_must_split_in_2cp_chunks():
+    Layout(cp=2).validate(num_layers=2, num_attention_heads=2, seq_length=8)
+    with pytest.raises(LayoutError, match="--seq-length .*--context-parallel-size"):
+        Layout(cp=2).validate(num_layers=2, num_attention_heads=2, seq_length=6)
+    with pytest.raises(LayoutError, match="--sequence-parallel"):
+        Layout(cp=2, tp=2, sequence_parallel=True).validate(
+            num_layers=2, num_attention_heads=2, seq_length=12
+        )
+    assert Layout.from_world(8, tp=2, cp=2).dp == 2

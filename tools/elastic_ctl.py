@@ -1,7 +1,8 @@
 """Talk to a running megadyn job through its control store.
 
     python tools/elastic_ctl.py --host HOST --port PORT show
-    python tools/elastic_ctl.py --port PORT layout --tp 1 --pp 2 [--vpp 2] [--sp] [--members 4]
+    python tools/elastic_ctl.py --port PORT layout --tp 1 --pp 2 [--vpp 2] [--sp] [--cp 2]
+                                [--members 4]
     python tools/elastic_ctl.py --port PORT scale 2 [--release]     # release: those processes exit
     python tools/elastic_ctl.py --port PORT scale 4                 # standby processes join
     python tools/elastic_ctl.py --port PORT drain 3                 # rank 3 leaves, exits 0
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     lay.add_argument("--pp", type=int, required=True)
     lay.add_argument("--vpp", type=int, default=1)
     lay.add_argument("--sp", action="store_true", help="sequence parallel")
+    lay.add_argument("--cp", type=int, default=1, help="context-parallel size")
     lay.add_argument("--members", type=int, help="number of processes to use (default: as now)")
     lay.add_argument("--at-iteration", type=int, default=0)
     sc = sub.add_parser("scale", help="use N processes (layout from --elastic-layout)")
@@ -75,7 +77,7 @@ def request_of(a: argparse.Namespace) -> Request:
     if a.command == "drain":
         return Request(action="drain", rank=a.rank)
     if a.command == "layout":
-        fields = dict(tp=a.tp, pp=a.pp, vpp=a.vpp, sp=a.sp, members=a.members)
+        fields = dict(tp=a.tp, pp=a.pp, cp=a.cp, vpp=a.vpp, sp=a.sp, members=a.members)
     else:
         fields = dict(members=a.members, release=a.release)
     return Request(action=a.command, at_iteration=a.at_iteration, **fields)

@@ -5,6 +5,11 @@
     ...
     groups.destroy()                     # reconfiguration: drop it, build another
 
+Context parallelism (cp > 1) adds a cp group (the ranks that split one sequence) and a dp x cp
+group (the ranks that hold the same weights: gradient reduction and the distributed optimizer's
+shards). With cp = 1 neither is created: `cp_group` is None and `dp_cp_group` is `dp_group`, so
+a layout without cp creates exactly the groups it always did.
+
 Processes that are not members of the layout (standby processes) get an object with
 `is_member == False` and no groups.
 
@@ -51,12 +56,18 @@ class ParallelGroups:
     pp_group: object = None
     mp_group: object = None
     embedding_group: object = None
+    cp_group: object = None
+    """The ranks that split each sequence (None with cp = 1)."""
+    dp_cp_group: object = None
+    """dp x cp ranks holding the same weights: gradients reduce, ZeRO shards over it."""
     members_group: object = None
     """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
     pp_ranks: list[int] = field(default_factory=list)
     embedding_ranks: list[int] = field(default_factory=list)
+    cp_ranks: list[int] = field(default_factory=list)
+    dp_cp_ranks: list[int] = field(default_factory=list)
     comm: CommResources = field(default_factory=CommResources)
     """Streams and workspaces of this layout's overlapped communication (comm_resources.py)."""
     _owned: list = field(default_factory=list)
@@ -88,13 +99,16 @@ class ParallelGroups:
         rank = dist.get_rank()
         coords = grid.coords_of(rank) if rank in members else None
         pg = cls(layout, grid, rank, backend, coords=coords)
-        for kind, all_groups in (
+        kinds = [
             ("tp", grid.tp_groups()),
             ("dp", grid.dp_groups()),
             ("pp", grid.pp_groups()),
             ("mp", grid.mp_groups()),
             ("embedding", grid.embedding_groups()),
-        ):
+        ]
+        if layout.cp > 1:  # after the others: cp = 1 layouts draw the same group names as ever
+            kinds += [("cp", grid.cp_groups()), ("dp_cp", grid.dp_cp_groups())]
+        for kind, all_groups in kinds:
             for ranks in all_groups:  # every process creates every group, in one order
                 group = _new_group(ranks, backend, timeout)
                 if rank in ranks:
@@ -102,6 +116,8 @@ class ParallelGroups:
                     setattr(pg, f"{kind}_group", group)
                     if kind != "mp":
                         setattr(pg, f"{kind}_ranks", ranks)
+        if layout.cp == 1 and pg.is_member:
+            pg.dp_cp_group, pg.dp_cp_ranks = pg.dp_group, pg.dp_ranks
         group = _new_group(list(members), "gloo", timeout)
         if pg.is_member:
             pg._owned.append(group)
@@ -125,6 +141,18 @@ class ParallelGroups:
     @property
     def pp_rank(self) -> int:
         return self.coords.pp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.layout.dp * self.layout.cp
 
     @property
     def tp_size(self) -> int:
@@ -162,6 +190,8 @@ class ParallelGroups:
             self.dp_group,
             self.mp_group,
             self.embedding_group,
+            self.cp_group,
+            None if self.layout.cp == 1 else self.dp_cp_group,
         ):
             if group is not None:
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
@@ -190,3 +220,4 @@ class ParallelGroups:
         self._owned.clear()
         self.tp_group = self.dp_group = self.pp_group = self.mp_group = None
         self.embedding_group = self.members_group = None
+        self.cp_group = self.dp_cp_group = None

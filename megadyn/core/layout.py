@@ -1,12 +1,16 @@
 """The parallel layout and its rank arithmetic, pure Python and testable without processes.
 
-A `Layout` says how many ways the model is split (tp, pp, virtual stages) and replicated (dp).
-Ranks are ordered the way Megatron orders them: tensor-parallel fastest, then data-parallel,
-then pipeline-parallel, over an ordered list of *member* ranks, so a layout can be drawn over
-any subset of the running processes:
+A `Layout` says how many ways the model is split (tp, pp, virtual stages), how many ways each
+sequence is split (cp, context parallelism) and how many times the model is replicated (dp).
+Ranks are ordered the way Megatron orders them: tensor-parallel fastest, then context-parallel,
+then data-parallel, then pipeline-parallel, over an ordered list of *member* ranks, so a layout
+can be drawn over any subset of the running processes:
 
-    position = tp_rank + dp_rank * tp + pp_rank * tp * dp
+    position = tp_rank + cp_rank * tp + dp_rank * tp * cp + pp_rank * tp * cp * dp
     member   = members[position]
+
+Weights are replicated over cp as over dp, so gradients reduce over the dp x cp ranks of a
+(tp, pp) coordinate (`dp_cp_groups`). With cp = 1 every formula is the one without cp.
 
 Every process group of megadyn is derived from `RankGrid.groups()`; nothing here touches
 torch.distributed (see `groups.py` for that).
@@ -14,6 +18,7 @@ torch.distributed (see `groups.py` for that).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,6 +33,7 @@ class Coords(NamedTuple):
     tp: int
     dp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class Layout:
     """Virtual pipeline stages per pipeline rank; 1 means no interleaving."""
     sequence_parallel: bool = False
     """Shard activations outside the tensor-parallel regions along the sequence (--sequence-parallel)."""
+    cp: int = 1
+    """Context-parallel size: ranks that split each sequence (--context-parallel-size)."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -51,6 +59,7 @@ class Layout:
             ("pp", "--pipeline-model-parallel-size"),
             ("dp", "--data-parallel-size"),
             ("vpp", "--num-layers-per-virtual-pipeline-stage"),
+            ("cp", "--context-parallel-size"),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -68,7 +77,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def model_parallel_size(self) -> int:
@@ -112,6 +121,8 @@ class Layout:
                 f"--seq-length ({seq_length}) must be divisible by --tensor-model-parallel-size "
                 f"({self.tp}) with --sequence-parallel"
             )
+        if self.cp > 1 and seq_length is not None:
+            check_cp_seq_length(seq_length, self.cp, self.tp if self.sequence_parallel else 1)
         if global_batch_size is not None and micro_batch_size is not None:
             if global_batch_size % (micro_batch_size * self.dp):
                 raise LayoutError(
@@ -124,16 +135,43 @@ class Layout:
 
     @staticmethod
     def from_world(
-        world_size: int, tp: int = 1, pp: int = 1, vpp: int = 1, sequence_parallel: bool = False
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int = 1,
+        sequence_parallel: bool = False,
+        cp: int = 1,
     ) -> Layout:
-        """The layout that fills `world_size` ranks with the given tp and pp."""
-        if world_size % (tp * pp):
+        """The layout that fills `world_size` ranks with the given tp, cp and pp."""
+        Layout(tp=tp, pp=pp, vpp=vpp, cp=cp)  # a degree below 1 is refused, naming its flag
+        if world_size % (tp * cp * pp):
+            with_cp = f" x --context-parallel-size ({cp})" if cp > 1 else ""
             raise LayoutError(
                 f"world size ({world_size}) must be a multiple of --tensor-model-parallel-size "
-                f"({tp}) x --pipeline-model-parallel-size ({pp})"
+                f"({tp}){with_cp} x --pipeline-model-parallel-size ({pp})"
             )
         return Layout(
-            tp=tp, pp=pp, dp=world_size // (tp * pp), vpp=vpp, sequence_parallel=sequence_parallel
+            tp=tp,
+            pp=pp,
+            dp=world_size // (tp * cp * pp),
+            vpp=vpp,
+            sequence_parallel=sequence_parallel,
+            cp=cp,
+        )
+
+
+def check_cp_seq_length(seq_length: int, cp: int, sp_tp: int = 1) -> None:
+    """Refuse a sequence length that does not split into 2 x cp equal chunks (x tp under
+    sequence parallelism, which splits each rank's chunks again over tp)."""
+    if seq_length % (2 * cp * sp_tp):
+        sp = (
+            f" x --tensor-model-parallel-size ({sp_tp}) under --sequence-parallel"
+            if sp_tp > 1
+            else ""
+        )
+        raise LayoutError(
+            f"--seq-length ({seq_length}) must be divisible by 2 x --context-parallel-size "
+            f"({cp}){sp}: each cp rank holds two chunks of every sequence"
         )
 
 
@@ -169,11 +207,11 @@ def canonical_members(layout: Layout, members) -> tuple[int, ...]:
     """`members` reordered so that every tp and dp group lists its ranks in ascending order.
 
     torch numbers the ranks of a process group in ascending global order, and megadyn's layers
-    take their tp / dp coordinate from that number; so within each pipeline stage the ranks are
-    sorted and laid out tp-fastest. The order of the stages is kept.
+    take their tp / cp / dp coordinate from that number; so within each pipeline stage the ranks
+    are sorted and laid out tp-fastest. The order of the stages is kept.
     """
     members = tuple(int(m) for m in members)
-    per_stage = layout.tp * layout.dp
+    per_stage = layout.tp * layout.cp * layout.dp
     out: list[int] = []
     for p in range(len(members) // per_stage if per_stage else 0):
         out += sorted(members[p * per_stage : (p + 1) * per_stage])
@@ -188,63 +226,66 @@ class RankGrid:
     members: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.members) != self.layout.world_size:
+        lay = self.layout
+        if len(self.members) != lay.world_size:
+            cp = f" x cp={lay.cp}" if lay.cp > 1 else ""
             raise LayoutError(
-                f"the layout tp={self.layout.tp} x pp={self.layout.pp} x dp={self.layout.dp} "
-                f"needs {self.layout.world_size} ranks, but {len(self.members)} members were "
+                f"the layout tp={lay.tp}{cp} x pp={lay.pp} x dp={lay.dp} "
+                f"needs {lay.world_size} ranks, but {len(self.members)} members were "
                 f"given: {list(self.members)}"
             )
         if len(set(self.members)) != len(self.members):
             raise LayoutError(f"member ranks repeat: {list(self.members)}")
 
     def rank_of(self, coords: Coords) -> int:
-        t, d = self.layout.tp, self.layout.dp
-        return self.members[coords.tp + coords.dp * t + coords.pp * t * d]
+        t, c, d = self.layout.tp, self.layout.cp, self.layout.dp
+        return self.members[coords.tp + (coords.cp + (coords.dp + coords.pp * d) * c) * t]
 
     def coords_of(self, rank: int) -> Coords:
         if rank not in self.members:
             raise LayoutError(f"rank {rank} is not a member of this layout {list(self.members)}")
         pos = self.members.index(rank)
-        t, d = self.layout.tp, self.layout.dp
-        return Coords(tp=pos % t, dp=(pos // t) % d, pp=pos // (t * d))
+        t, c, d = self.layout.tp, self.layout.cp, self.layout.dp
+        return Coords(tp=pos % t, cp=(pos // t) % c, dp=(pos // (t * c)) % d, pp=pos // (t * c * d))
 
-    def _all(self):
+    def _groups(self, inner: str | tuple[str, ...]) -> list[list[int]]:
+        """One group per value of the other coordinates: the ranks that differ only in the
+        `inner` coordinates (the first of them fastest), groups in Megatron's rank order."""
+        inner = (inner,) if isinstance(inner, str) else inner
         lay = self.layout
-        return [
-            Coords(t, d, p) for p in range(lay.pp) for d in range(lay.dp) for t in range(lay.tp)
-        ]
+        sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp}
+        outer = [k for k in ("tp", "cp", "dp", "pp") if k not in inner]
+        groups = []
+        for out in itertools.product(*(range(sizes[k]) for k in reversed(outer))):
+            fixed = dict(zip(reversed(outer), out))
+            ranks = []
+            for inn in itertools.product(*(range(sizes[k]) for k in reversed(inner))):
+                coords = {**fixed, **dict(zip(reversed(inner), inn))}
+                ranks.append(self.rank_of(Coords(**coords)))
+            groups.append(ranks)
+        return groups
 
     def tp_groups(self) -> list[list[int]]:
-        lay = self.layout
-        return [
-            [self.rank_of(Coords(t, d, p)) for t in range(lay.tp)]
-            for p in range(lay.pp)
-            for d in range(lay.dp)
-        ]
+        return self._groups("tp")
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks that split one sequence: weights replicated, activations split."""
+        return self._groups("cp")
 
     def dp_groups(self) -> list[list[int]]:
-        lay = self.layout
-        return [
-            [self.rank_of(Coords(t, d, p)) for d in range(lay.dp)]
-            for p in range(lay.pp)
-            for t in range(lay.tp)
-        ]
+        return self._groups("dp")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The ranks that hold the same weights (dp x cp, cp fastest): gradients reduce over
+        them and the distributed optimizer shards over them."""
+        return self._groups(("cp", "dp"))
 
     def pp_groups(self) -> list[list[int]]:
-        lay = self.layout
-        return [
-            [self.rank_of(Coords(t, d, p)) for p in range(lay.pp)]
-            for d in range(lay.dp)
-            for t in range(lay.tp)
-        ]
+        return self._groups("pp")
 
     def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups: all tp x pp ranks of one data-parallel replica."""
-        lay = self.layout
-        return [
-            [self.rank_of(Coords(t, d, p)) for p in range(lay.pp) for t in range(lay.tp)]
-            for d in range(lay.dp)
-        ]
+        """Model-parallel groups: all tp x pp ranks of one (dp, cp) coordinate."""
+        return self._groups(("tp", "pp"))
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each pipeline, which share tied embeddings."""

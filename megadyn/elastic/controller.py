@@ -332,4 +332,5 @@ def distopt_of(cfg, layout: Layout) -> DistOpt | None:
     """How the job's distributed optimizer shards under `layout` (None: it is off)."""
     if not cfg.optimizer.use_distributed_optimizer:
         return None
-    return DistOpt(bucket_size=default_bucket_size(cfg.parallel.overlap_grad_reduce, layout.dp))
+    shards = layout.dp * layout.cp  # the distributed optimizer shards over dp x cp
+    return DistOpt(bucket_size=default_bucket_size(cfg.parallel.overlap_grad_reduce, shards))

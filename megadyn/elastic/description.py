@@ -7,9 +7,10 @@
 Keys (global names, the same as the checkpoint's, DESIGN section 3):
     model.<name>                             weight, model dtype, tp piece of its split view
     optim.<name>.main|exp_avg|exp_avg_sq     fp32; without the distributed optimizer the same
-                                             pieces as the weight (replicated over dp); with it
-                                             the flat range of the tp/pp-local piece that
-                                             `plan_buckets` gives this dp rank
+                                             pieces as the weight (replicated over dp and
+                                             cp); with it the flat range of the tp/pp-local
+                                             piece that `plan_buckets` gives this rank among
+                                             the dp x cp ranks holding the weight
     scalar.*                                 small replicated tensors a caller names (`scalars`);
                                              the job's layout-free scalars (progress, schedule,
                                              loss scale) travel as megadyn/training/state.py's
@@ -122,7 +123,8 @@ def registration_order(cfg: GPTConfig, names: Sequence[str]) -> list[str]:
 def _flat_ranges(
     numels: list[int], dp: int, distopt: DistOpt, separate: list[bool]
 ) -> list[list[tuple[int, int]]]:
-    """Per param, per dp rank, the flat range [start, end) of the param it owns."""
+    """Per param, per rank of the `dp` ranks sharing the optimizer (dp x cp), the flat range
+    [start, end) of the param it owns."""
     ranges, buckets = plan_buckets(
         numels,
         dp_size=dp,
@@ -175,16 +177,17 @@ def describe(
                 if distopt is not None:
                     numels = [math.prod(x.sizes) for x in tp_pieces]
                     separate = [tied and n == WORD_EMBEDDING for n in names]
-                    flat = _flat_ranges(numels, layout.dp, distopt, separate)
-                for d in range(layout.dp):
-                    held = pieces[grid.rank_of(Coords(t, d, p))]
+                    flat = _flat_ranges(numels, layout.dp * layout.cp, distopt, separate)
+                for shard in range(layout.dp * layout.cp):  # dp x cp ranks, cp fastest
+                    coords = Coords(tp=t, dp=shard // layout.cp, pp=p, cp=shard % layout.cp)
+                    held = pieces[grid.rank_of(coords)]
                     for i, (name, piece) in enumerate(zip(names, tp_pieces)):
                         numel = math.prod(piece.sizes)
                         box = (piece.offsets, piece.sizes)
                         held.append(HeldPiece(f"model.{name}", *box, 0, numel, piece.local_shape))
-                        start, end = (0, numel) if flat is None else flat[i][d]
+                        start, end = (0, numel) if flat is None else flat[i][shard]
                         if flat is not None and start == end:
-                            continue  # this dp rank owns no part of the param's optimizer state
+                            continue  # this rank owns no part of the param's optimizer state
                         shape = piece.local_shape if flat is None else (end - start,)
                         for k in OPTIM_KEYS:
                             held.append(HeldPiece(f"optim.{name}.{k}", *box, start, end, shape))

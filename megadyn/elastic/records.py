@@ -47,7 +47,7 @@ def _read_object(text: str, what: str) -> dict:
 class Request:
     """An operator request: a new layout, or a new number of processes; or a drain notice.
 
-    "layout" takes tp, pp (None: as now), vpp, sp and members or dp (None: as many as now);
+    "layout" takes tp, pp, cp (None: as now), vpp, sp and members or dp (None: as many as now);
     "scale" takes members and leaves the layout to --elastic-layout; "drain" takes the rank
     that leaves the job (a preemption notice: megadyn/elastic/drain.py).
     """
@@ -58,6 +58,8 @@ class Request:
     """Tensor-parallel size of the new layout (None: the current one)."""
     pp: int | None = None
     """Pipeline-parallel size of the new layout (None: the current one)."""
+    cp: int | None = None
+    """Context-parallel size of the new layout (None: the current one)."""
     vpp: int = 1
     """Virtual pipeline stages per pipeline rank."""
     sp: bool = False
@@ -65,7 +67,7 @@ class Request:
     members: int | None = None
     """Processes to use (a scale needs it; None for a layout: as many as now)."""
     dp: int | None = None
-    """Data-parallel size of the new layout (instead of members: tp * pp * dp processes)."""
+    """Data-parallel size of the new layout (instead of members: tp * cp * pp * dp processes)."""
     release: bool = False
     """Processes left out exit instead of waiting as standby."""
     at_iteration: int = 0
@@ -78,7 +80,7 @@ class Request:
             raise RequestError(
                 f"unknown request action {self.action!r} (use 'layout', 'scale' or 'drain')"
             )
-        for name in ("tp", "pp", "vpp", "members", "dp"):
+        for name in ("tp", "pp", "cp", "vpp", "members", "dp"):
             value = getattr(self, name)
             optional = value is None and name != "vpp"  # None: as now
             if not optional and (type(value) is not int or value < 1):
@@ -106,7 +108,7 @@ class Request:
         if self.action == "scale":
             if self.members is None:
                 raise RequestError("a scale request needs members")
-            given = [n for n in ("tp", "pp", "dp") if getattr(self, n) is not None]
+            given = [n for n in ("tp", "pp", "cp", "dp") if getattr(self, n) is not None]
             given += ["vpp"] * (self.vpp != 1) + ["sp"] * self.sp
             if given:
                 raise RequestError(

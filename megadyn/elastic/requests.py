@@ -1,11 +1,11 @@
 """Turn an operator request into a new layout and member list, or refuse it with a reason.
 
-    Request(action="layout", tp=1, pp=2, vpp=1, sp=False, members=4)
+    Request(action="layout", tp=1, pp=2, cp=1, vpp=1, sp=False, members=4)
     Request(action="scale", members=2, release=False)       # release: exit instead of standby
     Request(action="drain", rank=3)                         # rank 3 got SIGTERM: it exits
 
 Members are kept in order; a scale-in keeps the first members, a scale-out adds standby
-processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, pp and vpp; under
+processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, cp, pp and vpp; under
 `auto` the layout planner picks the fastest layout that fits. A drain puts the first standby
 process in the drained member's place (same layout), else scales in to the other members.
 """
@@ -34,10 +34,11 @@ def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], c
     if request.action == "layout":
         tp = old.tp if request.tp is None else request.tp
         pp = old.pp if request.pp is None else request.pp
+        cp = old.cp if request.cp is None else request.cp
         n = len(members) if request.members is None else request.members
         if request.dp is not None:
-            n = tp * pp * request.dp
-        layout = Layout.from_world(n, tp, pp, request.vpp, request.sp)
+            n = tp * cp * pp * request.dp
+        layout = Layout.from_world(n, tp, pp, request.vpp, request.sp, cp=cp)
     else:  # scale
         n = request.members
         layout = layout_for_count(n, model_cfg, cfg, groups, cost=cost)
@@ -78,11 +79,11 @@ def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None)
 
 
 def layout_for_count(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
-    """The layout of `n` members after a scale: tp, pp and vpp kept under `--elastic-layout
+    """The layout of `n` members after a scale: tp, cp, pp and vpp kept under `--elastic-layout
     pinned`, the layout planner's choice under `auto` (LayoutError when none fits)."""
     old = groups.layout
     if cfg.elastic.layout == "pinned":
-        return Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel)
+        return Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel, cp=old.cp)
     device_type = "cuda" if groups.backend == "nccl" else "cpu"
     return plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
 

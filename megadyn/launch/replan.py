@@ -29,6 +29,7 @@ def with_layout(cfg: MegadynConfig, layout: Layout) -> MegadynConfig:
         cfg.parallel,
         tp=layout.tp,
         pp=layout.pp,
+        cp=layout.cp,
         num_layers_per_virtual_pipeline_stage=per_virtual,
         sequence_parallel=layout.sequence_parallel,
     )
@@ -68,7 +69,8 @@ def config_for_world(
             print_fn(
                 f" recovery: the restart came back with {world} processes, which the layout "
                 f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} does not fit ({err}); the layout "
-                f"planner chose tp={layout.tp} pp={layout.pp} dp={layout.dp} vpp={layout.vpp} "
+                f"planner chose tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp} "
+                f"vpp={layout.vpp} "
                 f"sequence_parallel={layout.sequence_parallel} (micro batch size and global "
                 f"batch size kept{'; CUDA graph off: pp > 1' if graph_off else ''})",
                 flush=True,

@@ -77,6 +77,10 @@ class GPTConfig:
     kernel), 'fused' (cuDNN's fused attention), 'unfused' or 'local' (plain math), 'auto'
     (cuDNN first on Hopper GPUs, where it is the fastest kernel without TransformerEngine;
     torch's own order elsewhere)."""
+    cp_comm_type: str = "p2p"
+    """How attention reaches the keys and values of the other context-parallel ranks
+    (--cp-comm-type, Megatron's names): 'p2p' (a ring of exchanges overlapped with blockwise
+    attention) or 'all_gather' (gather the whole sequence's keys and values once per layer)."""
     apply_query_key_layer_scaling: bool = False
     """Unused by megadyn (scaled_dot_product_attention scales by 1/sqrt(d)); kept for flag parity."""
 
@@ -97,6 +101,7 @@ class GPTConfig:
             ("activation", ("gelu", "swiglu")),
             ("attention_backend", ("auto", "flash", "fused", "unfused", "local")),
             ("tp_comm_overlap_transport", ("nccl", "copy-engine")),
+            ("cp_comm_type", ("p2p", "all_gather")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

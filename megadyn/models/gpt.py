@@ -11,9 +11,12 @@ names are the global names of megadyn/models/sharding.py, whatever the layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from megadyn.core.context_parallel import all_reduce_sum, local_positions
 from megadyn.core.layout import chunk_layer_range
 from megadyn.core.recompute import RecomputeConfig, run_layers
 from megadyn.core.tensor_parallel import (
@@ -87,6 +90,7 @@ class GPTModel(nn.Module):
         cfg: GPTConfig,
         *,
         tp_group=None,
+        cp_group=None,
         sequence_parallel: bool = False,
         layer_range: range | None = None,
         pre_process: bool = True,
@@ -97,6 +101,7 @@ class GPTModel(nn.Module):
     ):
         super().__init__()
         self.cfg, self.tp_group, self.tracker = cfg, tp_group, tracker
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.sequence_parallel = sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
         self.recompute_cfg = recompute_cfg or RecomputeConfig()
@@ -113,7 +118,14 @@ class GPTModel(nn.Module):
         self.decoder.layers = nn.ModuleDict(
             {
                 str(i): TransformerLayer(
-                    cfg, tp_group, sequence_parallel, tracker, self.recompute_cfg, dtype, device
+                    cfg,
+                    tp_group,
+                    sequence_parallel,
+                    tracker,
+                    self.recompute_cfg,
+                    dtype,
+                    device,
+                    cp_group=self.cp_group,
                 )
                 for i in layer_range
             }
@@ -149,7 +161,16 @@ class GPTModel(nn.Module):
             return None
         return self.embedding.word_embeddings.weight
 
+    def local_positions(self, seq_len: int, device) -> torch.Tensor | None:
+        """Global positions [s] of this rank's `seq_len` tokens under context parallelism
+        (None without it: positions 0 .. seq_len - 1)."""
+        if self.cp_group is None:
+            return None
+        cp = group_size(self.cp_group)
+        return local_positions(seq_len * cp, group_rank(self.cp_group), cp, device)
+
     def rope(self, seq_len: int, device) -> tuple | None:
+        """Rotary tables of this rank's `seq_len` tokens (their global positions under cp)."""
         if self.cfg.position_embedding_type != "rope":
             return None
         if (
@@ -158,13 +179,22 @@ class GPTModel(nn.Module):
             or self._rope_cache[0].device != device
         ):
             self._rope_cache = rope_tables(
-                seq_len, self.cfg.head_dim, self.cfg.rotary_base, device, self.cfg.params_dtype
+                seq_len,
+                self.cfg.head_dim,
+                self.cfg.rotary_base,
+                device,
+                self.cfg.params_dtype,
+                positions=self.local_positions(seq_len, device),
             )
         return self._rope_cache
 
     def forward(self, tokens=None, position_ids=None, labels=None, hidden_states=None):
         """Returns per-token loss [b, s] (last stage, with labels), logits [s, b, V/tp] (last
-        stage, no labels) or hidden states [s(/tp), b, h] (other stages)."""
+        stage, no labels) or hidden states [s(/tp), b, h] (other stages). Under context
+        parallelism the tokens are this rank's part of the sequence (context_parallel's
+        `split_batch`) and `position_ids`, if given, their global positions."""
+        if self.pre_process and position_ids is None and self.cp_group is not None:
+            position_ids = self.local_positions(tokens.shape[1], tokens.device).expand_as(tokens)
         x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         seq_len = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         layers = list(self.decoder.layers.values())
@@ -219,6 +249,7 @@ def build_gpt_chunks(
         chunk = GPTModel(
             cfg,
             tp_group=groups.tp_group,
+            cp_group=groups.cp_group,
             sequence_parallel=layout.sequence_parallel,
             layer_range=chunk_layer_range(layout, cfg.num_layers, groups.pp_rank, c),
             pre_process=groups.pp_rank == 0 and c == 0,
@@ -243,3 +274,28 @@ def lm_loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
     """A micro batch's language-model loss: the mean over its `loss_mask` tokens (the loss
     function of training and evaluation)."""
     return masked_mean(per_token_loss, batch["loss_mask"])
+
+
+def sequence_masked_mean(
+    per_token_loss: torch.Tensor, loss_mask: torch.Tensor, cp_group
+) -> torch.Tensor:
+    """`masked_mean` over whole sequences split over `cp_group`: the sum of the cp ranks'
+    masked sums over their total mask, the same value on every cp rank. Its gradient reaches
+    each rank's tokens times cp (the sum is differentiable), which the gradient reduction's
+    average over dp x cp takes back out."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    sums = torch.stack([(per_token_loss * mask).sum(), mask.sum()])  # [loss sum, tokens]
+    total = all_reduce_sum(sums, cp_group)
+    return total[0] / total[1].clamp(min=1.0)
+
+
+def lm_loss_for(cp_group) -> Callable[[torch.Tensor, dict], torch.Tensor]:
+    """The loss function of a layout: `lm_loss`, over the whole sequence under context
+    parallelism (`cp_group` of size > 1)."""
+    if group_size(cp_group) == 1:
+        return lm_loss
+
+    def loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
+        return sequence_masked_mean(per_token_loss, batch["loss_mask"], cp_group)
+
+    return loss

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadyn.core.context_parallel import context_parallel_attention
 from megadyn.core.recompute import RecomputeConfig, recompute
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -50,12 +51,15 @@ class Norm(nn.Module):
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype):
-    """cos and sin tables [s, d] for rotary embeddings (halves rotated, as Megatron and Llama)."""
+def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positions=None):
+    """cos and sin tables [s, d] for rotary embeddings (halves rotated, as Megatron and Llama)
+    of positions 0 .. seq_len - 1, or of `positions` [s] (a context-parallel rank's tokens)."""
     inv = 1.0 / (
         base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    freqs = torch.outer(positions.to(device=device, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)  # [s, d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -68,10 +72,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, tracker, dtype, device):
+    """Causal self-attention; under context parallelism (`cp_group` of size > 1) over the
+    whole sequence, whose other chunks the other cp ranks hold."""
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        tp_group,
+        sequence_parallel: bool,
+        tracker,
+        dtype,
+        device,
+        cp_group=None,
+    ):
         super().__init__()
         tp = group_size(tp_group)
         self.cfg, self.tracker = cfg, tracker
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.heads = cfg.num_attention_heads // tp  # query heads on this rank
         self.groups = cfg.query_groups // tp  # key/value heads on this rank
         self.q_per_group = cfg.num_attention_heads // cfg.query_groups
@@ -90,6 +107,10 @@ class SelfAttention(nn.Module):
     def core_attention(self, q, k, v):
         """softmax(q k^T / sqrt(d)) v, causal; q [b, n, s, d], k and v [b, g, s, d]."""
         p = self.cfg.attention_dropout if self.training else 0.0
+        if self.cp_group is not None:
+            if p > 0.0:
+                raise ValueError("--attention-dropout must be 0 with --context-parallel-size > 1")
+            return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type)
         gqa = self.groups != self.heads
         fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         with fork or contextlib.nullcontext(), attention_kernels(self.cfg.attention_backend, q):
@@ -161,6 +182,7 @@ class TransformerLayer(nn.Module):
         recompute_cfg: RecomputeConfig,
         dtype,
         device,
+        cp_group=None,
     ):
         super().__init__()
         self.cfg, self.tracker = cfg, tracker
@@ -168,7 +190,7 @@ class TransformerLayer(nn.Module):
         self.recompute_core = recompute_cfg.selective
         self.input_layernorm = Norm(cfg, sequence_parallel, dtype, device)
         self.self_attention = SelfAttention(
-            cfg, tp_group, sequence_parallel, tracker, dtype, device
+            cfg, tp_group, sequence_parallel, tracker, dtype, device, cp_group
         )
         self.pre_mlp_layernorm = Norm(cfg, sequence_parallel, dtype, device)
         self.mlp = MLP(cfg, tp_group, sequence_parallel, dtype, device)

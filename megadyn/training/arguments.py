@@ -123,6 +123,7 @@ def _add_network_args(p: argparse.ArgumentParser) -> None:
     m("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", action="store_false")
     m("--tp-comm-overlap", action="store_true")
     m("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"])
+    m("--cp-comm-type", choices=["p2p", "all_gather"])
     m("--cross-entropy-loss-fusion", "fused_loss", action="store_const", const=True)
     m("--no-cross-entropy-loss-fusion", "fused_loss", action="store_const", const=False)
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
@@ -136,6 +137,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     par("--pipeline-model-parallel-size", "pp", type=int)
     par("--num-layers-per-virtual-pipeline-stage", type=int)
     par("--sequence-parallel", action="store_true")
+    par("--context-parallel-size", "cp", type=int)
     par(
         "--no-scatter-gather-tensors-in-pipeline",
         "scatter_gather_tensors_in_pipeline",
@@ -368,7 +370,7 @@ def _training(values: dict[str, Any], parallel: ParallelConfig, members: int) ->
             raise ConfigError("--rampup-batch-size needs --train-samples (as in Megatron)")
         t["rampup_batch_size"] = tuple(t["rampup_batch_size"])
     if t["global_batch_size"] is None:  # Megatron: one micro batch per step
-        dp = max(1, members // (parallel.tp * parallel.pp))
+        dp = max(1, members // max(1, parallel.tp * parallel.cp * parallel.pp))
         t["global_batch_size"] = t["micro_batch_size"] * dp
     try:
         t["recompute"] = RecomputeConfig(**_section(values, "recompute"))

@@ -61,11 +61,11 @@ def build_model_parts(
     ddp = [
         DistributedDataParallel(
             c,
-            groups.dp_group,
+            groups.dp_cp_group,  # weights are replicated over dp x cp
             overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
-            bucket_size=default_bucket_size(p.overlap_grad_reduce, groups.dp_size),
+            bucket_size=default_bucket_size(p.overlap_grad_reduce, groups.dp_cp_size),
         )
         for c in chunks
     ]

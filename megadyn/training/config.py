@@ -74,6 +74,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations outside tensor-parallel regions along the sequence; needs tp > 1
     (--sequence-parallel)."""
+    cp: int = 1
+    """Context-parallel size: ranks that split each sequence, two load-balanced chunks each
+    (--context-parallel-size)."""
     scatter_gather_tensors_in_pipeline: bool = True
     """Send 1/tp of each activation between pipeline stages and all-gather it after (off:
     --no-scatter-gather-tensors-in-pipeline)."""
@@ -100,7 +103,12 @@ class ParallelConfig:
     def layout(self, num_members: int, num_layers: int) -> Layout:
         """The layout with these degrees over `num_members` ranks (raises LayoutError)."""
         return Layout.from_world(
-            num_members, self.tp, self.pp, self.virtual_stages(num_layers), self.sequence_parallel
+            num_members,
+            self.tp,
+            self.pp,
+            self.virtual_stages(num_layers),
+            self.sequence_parallel,
+            cp=self.cp,
         )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from megadyn.core.pipeline import forward_backward
-from megadyn.models import lm_loss
 from megadyn.training.data_setup import build_loader
 
 
@@ -42,7 +41,7 @@ def evaluate(trainer) -> float | None:
             loader,
             n,
             config=trainer.pipeline_cfg,
-            loss_fn=lm_loss,
+            loss_fn=trainer.loss_fn,
             forward_only=True,
         )
     for c in trainer.chunks:

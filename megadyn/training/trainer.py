@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.data.sampler import micro_batch_indices
-from megadyn.models import lm_loss
+from megadyn.models import lm_loss_for
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
 from megadyn.training.build import build_model_parts, no_sync
@@ -92,6 +92,7 @@ class Trainer:
         )
         self.tracker, self.chunks, self.ddp = parts.tracker, parts.chunks, parts.ddp
         self.optimizer, self.pipeline_cfg = parts.optimizer, parts.pipeline_cfg
+        self.loss_fn = lm_loss_for(groups.cp_group)  # over whole sequences under cp
         previous = getattr(self, "scheduler", None)
         self.scheduler = LRScheduler.from_config(
             cfg.scheduler, cfg.optimizer, self.train_iters, optimizer=self.optimizer
@@ -192,7 +193,8 @@ class Trainer:
 
     @property
     def samples_drawn(self) -> list[int]:
-        """Global sample indices this rank's data-parallel replica read (tp 0, first stage)."""
+        """Global sample indices this rank's data-parallel replica read (tp 0, cp 0, first
+        stage)."""
         mbs = self.cfg.training.micro_batch_size
         return [
             i
@@ -243,7 +245,7 @@ class Trainer:
             batches,
             n,
             config=self.pipeline_cfg,
-            loss_fn=lm_loss,
+            loss_fn=self.loss_fn,
             no_sync=self._no_sync,
             cuda_graph=self.cuda_graph,
             loss_scale=self.optimizer.loss_scale,
@@ -255,7 +257,7 @@ class Trainer:
         consumed = self.state.consumed_samples
         g = self.groups
         n = self.microbatches.num_micro_batches(consumed, g.dp_size)
-        if g.tp_rank == 0 and g.pp_rank == 0:  # one small record per step, expanded on demand
+        if g.tp_rank == g.cp_rank == g.pp_rank == 0:  # one small record per step, expanded later
             self.draws.append((consumed, g.dp_rank, g.dp_size, n))
         self.zero_grads()
         losses = self.gradients(self.train_loader, n)

@@ -25,6 +25,7 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
     """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
     _validate_members(cfg.elastic, world_size)
     layout = _validate_layout(cfg, world_size)
+    _validate_context_parallel(cfg, layout)
     _validate_recompute(cfg, layout)
     _validate_kernels(cfg, layout)
     check_schedule(cfg.scheduler, cfg.optimizer, cfg.training.train_iters)
@@ -72,6 +73,25 @@ def _validate_layout(cfg: MegadynConfig, world_size: int) -> Layout:
         )
     MicroBatchCalculator.from_config(cfg.training).check_dp_size(layout.dp)
     return layout
+
+
+def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
+    """What context parallelism does not run with yet is refused, naming both flags (the
+    sequence length is checked by `Layout.validate`)."""
+    if layout.cp == 1:
+        if cfg.model.cp_comm_type != "p2p":
+            raise ConfigError("--cp-comm-type applies to --context-parallel-size > 1")
+        return
+    el, flag = cfg.elastic, "--context-parallel-size"
+    unsupported = {
+        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+        "--tp-comm-overlap": cfg.model.tp_comm_overlap,
+        "--elastic-snapshot-interval": el.snapshot_interval > 0,
+    }
+    for other, used in unsupported.items():
+        if used:
+            raise ConfigError(f"{flag} > 1 does not run with {other} yet: drop one of them")
 
 
 def _validate_recompute(cfg: MegadynConfig, layout: Layout) -> None:

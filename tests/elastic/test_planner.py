@@ -45,12 +45,12 @@ SCALARS = {"scalar.step": ((), torch.int64), "scalar.rng": ((5,), torch.uint8)}
 @st.composite
 def layouts(draw):
     tp, pp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
-    dp = draw(st.integers(1, 4))
-    assume(tp * pp * dp <= 16)
+    dp, cp = draw(st.integers(1, 4)), draw(st.sampled_from([1, 1, 2]))
+    assume(tp * cp * pp * dp <= 16)
     vpp = draw(st.sampled_from([1, 2])) if pp > 1 else 1
-    members = draw(st.permutations(range(16)))[: tp * pp * dp]
+    members = draw(st.permutations(range(16)))[: tp * cp * pp * dp]
     distopt = draw(st.sampled_from([None, DistOpt(None), DistOpt(bucket_size=200)]))
-    return Layout(tp=tp, pp=pp, dp=dp, vpp=vpp), members, distopt
+    return Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp), members, distopt
 
 
 def local_of(piece: HeldPiece, global_tensor: torch.Tensor) -> torch.Tensor:
@@ -198,10 +198,13 @@ def test_missing_state_is_refused():
         plan_between(old, new)
 
 
-def test_distopt_shards_partition_each_local_piece():
-    grid = RankGrid(Layout(tp=2, pp=2, dp=3), tuple(range(12)))
+@pytest.mark.parametrize(
+    "layout", [Layout(tp=2, pp=2, dp=3), Layout(tp=2, cp=2, dp=2), Layout(cp=3, pp=2)]
+)
+def test_distopt_shards_partition_each_local_piece(layout):
+    grid = RankGrid(layout, tuple(range(layout.world_size)))
     desc = describe(GPT2, grid.layout, grid.members, distopt=DistOpt(bucket_size=300))
-    for dp_ranks in grid.dp_groups():
+    for dp_ranks in grid.dp_cp_groups():  # the ranks sharing the optimizer: dp x cp
         weights = {p.key[len("model.") :]: p for p in desc.pieces[dp_ranks[0]] if p.key[0] == "m"}
         shards = [desc.held(r) for r in dp_ranks]
         for name, weight in weights.items():

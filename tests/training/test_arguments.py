@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-backend",
-    "--attention-dropout", "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
+    "--attention-dropout", "--context-parallel-size", "--cp-comm-type",
+    "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
     "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion",
     "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path",

@@ -1,6 +1,6 @@
 """Mixed-precision Adam(W) over DDP gradient buffers, optionally sharded over dp (ZeRO-1).
 
-    chunks = [DistributedDataParallel(c, groups.dp_group, ...) for c in model_chunks]
+    chunks = [DistributedDataParallel(c, groups.dp_cp_group, ...) for c in model_chunks]
     optimizer = build_optimizer(chunks, chunks, groups, OptimizerConfig(bf16=True))
     forward_backward(..., loss_scale=optimizer.loss_scale)   # fp16: the scaled loss
     finalize_model_grads(chunks, groups)
@@ -103,7 +103,8 @@ class MixedPrecisionOptimizer:
                 config.hysteresis,
             )
         # groups over which gradient statistics are summed (see clip_grads.py)
-        self._stat_groups = [groups.mp_group] + ([groups.dp_group] if self.distributed else [])
+        # (the distributed optimizer's shards span the dp x cp ranks that hold the same weights)
+        self._stat_groups = [groups.mp_group] + ([groups.dp_cp_group] if self.distributed else [])
 
     # --- schedule hooks ---------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:

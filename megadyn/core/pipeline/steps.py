@@ -9,7 +9,9 @@ The schedules (schedules.py, interleaved.py) only decide the order of these call
 communication between them; they hold no tensors themselves.
 
 A batch is a dict of [b, s] tensors: `tokens`, `position_ids`, `labels`, `loss_mask`. Every
-pipeline rank draws every micro batch from its iterator (in order, once); the first virtual
+pipeline rank draws every micro batch from its iterator (in order, once) and, under context
+parallelism, keeps its cp rank's part of each sequence (context_parallel's `split_batch`); the
+first virtual
 stage reads `tokens` / `position_ids`, the last computes `loss_fn(per_token_loss, batch)`, whose
 value divided by the number of micro batches is what is back-propagated, so gradients are the
 mean over micro batches.
@@ -30,6 +32,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 from torch.autograd import Variable
 
+from megadyn.core.context_parallel import split_batch
 from megadyn.core.pipeline.config import PipelineConfig
 from megadyn.core.pipeline.p2p import P2PCommunicator
 
@@ -61,17 +64,20 @@ class LiveGraphs:
 
 
 class MicroBatches:
-    """The micro batches of one step, drawn in order and dropped when the last chunk is done."""
+    """The micro batches of one step, drawn in order and dropped when the last chunk is done;
+    each cut to cp rank `cp_rank`'s part of its sequences (all of them with cp_size 1)."""
 
-    def __init__(self, batches: Iterator[dict], device) -> None:
+    def __init__(self, batches: Iterator[dict], device, cp_rank: int = 0, cp_size: int = 1):
         self._iterator, self._device = batches, device
+        self._cp_rank, self._cp_size = cp_rank, cp_size
         self._drawn: dict[int, dict] = {}
         self._next = 0
 
     def get(self, index: int) -> dict:
         while self._next <= index:
             batch = next(self._iterator)
-            self._drawn[self._next] = {k: v.to(self._device) for k, v in batch.items()}
+            batch = {k: v.to(self._device) for k, v in batch.items()}
+            self._drawn[self._next] = split_batch(batch, self._cp_rank, self._cp_size)
             self._next += 1
         return self._drawn[index]
 
@@ -120,7 +126,7 @@ class MicroBatchSteps:
         self.forward_only, self.no_sync = forward_only, no_sync
         self.loss_scale = loss_scale  # fp16: the loss is multiplied by it before backward
         device = next(chunks[0].parameters()).device
-        self.data = MicroBatches(batches, device)
+        self.data = MicroBatches(batches, device, groups.cp_rank, groups.cp_size)
         b, s = self.data.get(0)["tokens"].shape
         tp = groups.tp_size if groups.layout.sequence_parallel else 1
         shape = (s // tp, b, config.hidden_size)  # [s(/tp), b, h]

@@ -1,0 +1,42 @@
+"""Context parallelism: each sequence split over the cp ranks, attention over all of it.
+
+    batch = split_batch(batch, groups.cp_rank, groups.cp_size)   # the data: two chunks per rank
+    out = context_parallel_attention(q, k, v, groups.cp_group, "p2p")  # in the attention layer
+
+Layers other than attention work on their tokens alone, so only attention (and the loss, which
+is summed over the cp group) knows the sequence is split. Weights are replicated over cp;
+gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
+"""
+
+from megadyn.core.context_parallel.all_gather import all_gather_attention
+from megadyn.core.context_parallel.comm import RingExchange, all_reduce_sum
+from megadyn.core.context_parallel.ring import ring_attention
+from megadyn.core.context_parallel.sequence import (
+    chunk_ids,
+    local_positions,
+    split_batch,
+    split_sequence,
+)
+
+CP_COMM_TYPES = {"p2p": ring_attention, "all_gather": all_gather_attention}
+"""--cp-comm-type: how keys and values reach the queries of other cp ranks."""
+
+
+def context_parallel_attention(q, k, v, group, comm_type: str = "p2p", scale=None):
+    """Causal attention of this cp rank's queries q [b, n, s, d] over the whole sequence; k and
+    v [b, g, s, d] are this rank's part (sequence.py's two chunks)."""
+    return CP_COMM_TYPES[comm_type](q, k, v, group, scale)
+
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "RingExchange",
+    "all_gather_attention",
+    "all_reduce_sum",
+    "chunk_ids",
+    "context_parallel_attention",
+    "local_positions",
+    "ring_attention",
+    "split_batch",
+    "split_sequence",
+]

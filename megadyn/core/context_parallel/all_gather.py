@@ -1,0 +1,31 @@
+"""All-gather attention over the cp group (--cp-comm-type all_gather): every rank gathers the
+keys and values of the whole sequence, then attends with its own queries under the causal mask
+of their global positions. Simpler than the ring and one collective per layer, at the cost of
+holding the whole sequence's keys and values; the backward reduce-scatters their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megadyn.core.context_parallel.sequence import local_positions
+from megadyn.core.tensor_parallel import gather_from_sequence
+
+
+def all_gather_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
+    keys and values k, v [b, g, s, d] are spread over `group` (the cp group)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    s = q.shape[2]
+    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, g, d]: sequence first
+    kv = gather_from_sequence(kv, group)  # [cp * s, 2, b, g, d], rank after rank
+    k_all, v_all = kv.permute(1, 2, 3, 0, 4).unbind(0)  # [b, g, cp * s, d]
+    seq = s * cp
+    q_pos = local_positions(seq, rank, cp, q.device)  # [s]
+    k_pos = torch.cat([local_positions(seq, r, cp, q.device) for r in range(cp)])  # [cp * s]
+    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, cp * s]
+    return F.scaled_dot_product_attention(
+        q, k_all, v_all, attn_mask=visible, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )

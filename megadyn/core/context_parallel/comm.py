@@ -1,0 +1,66 @@
+"""Communication of context parallelism, each call given its cp process group.
+
+ring = RingExchange(cp_group)
+received, pending = ring.start(kv)    # send to the next cp rank, receive from the previous
+...                                   # compute while the exchange runs
+ring.wait(pending)
+
+total = all_reduce_sum(local, cp_group)   # differentiable: backward all-reduces too
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class RingExchange:
+    """Point-to-point shifts around the cp group: each rank sends to cp rank + 1 and receives
+    from cp rank - 1 (wrapping around), so after k shifts a rank holds what rank - k had."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Start shifting `send` one rank along the ring; returns the receive buffer and the
+        pending work (pass it to `wait` before reading the buffer)."""
+        send = send.contiguous()
+        received = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group),
+            dist.P2POp(dist.irecv, received, self.prev, self.group),
+        ]
+        return received, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(pending: list) -> None:
+        for work in pending:
+            work.wait()
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the gradient of every input is the sum of the outputs' gradients
+    (each rank's output feeds its own loss, and all of them depend on every input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable sum of `x` over `group` (identity for a group of None)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)

@@ -1,0 +1,103 @@
+"""Ring attention over the cp group (--cp-comm-type p2p): keys and values travel around the
+ring while each rank computes the attention of its queries on the block it holds.
+
+Each rank holds two chunks of the sequence (sequence.py), queries q = [q_a; q_b] for chunks
+r and 2cp-1-r. At ring step j it holds the keys and values of cp rank o = r - j (mod cp),
+chunks o and 2cp-1-o, and only part of the causal attention is not masked:
+
+    j = 0   (o = r): all queries on all local keys, causal (local positions are increasing)
+    o < r          : all queries on the first half of the keys (chunk o), no mask
+    o > r          : the second half of the queries (chunk 2cp-1-r) on all keys, no mask
+
+so every step computes two chunks' worth of scores: the work is balanced over ranks and steps.
+The next step's exchange runs while a step computes. The backward pass goes round the ring
+again: keys and values travel as before, and the gradients of the keys and values travel with
+them, one step behind, until after cp shifts they are back on the rank that owns them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
+from megadyn.core.context_parallel.comm import RingExchange
+
+
+def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, slice, bool]:
+    """(query rows, key columns, causal) of ring step `step` holding rank `origin`'s keys."""
+    everything = slice(None)
+    if step == 0:
+        return everything, everything, True
+    if origin < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        ring = RingExchange(group)
+        half = q.shape[2] // 2
+        kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
+        out = lse = None
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                incoming, pending = ring.start(kv)
+            rows, cols, causal = _block_plan(step, (ring.rank - step) % ring.size, ring.rank, half)
+            block_out, block_lse = block_forward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale
+            )
+            if out is None:
+                out, lse = block_out, block_lse  # [b, n, s, d], [b, n, s] in accumulation precision
+            else:
+                merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if step < ring.size - 1:
+                ring.wait(pending)
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = RingExchange(ctx.group)
+        half = q.shape[2] // 2
+        kv = torch.stack([k, v]).contiguous()
+        dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
+        dkv = dkv_pending = None
+        for step in range(ring.size):
+            if step < ring.size - 1:
+                incoming, pending = ring.start(kv)
+            rows, cols, causal = _block_plan(step, (ring.rank - step) % ring.size, ring.rank, half)
+            dq_b, dk_b, dv_b = block_backward(
+                dout[:, :, rows],
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal,
+                ctx.scale,
+            )
+            dq[:, :, rows] += dq_b
+            if dkv_pending is None:  # step 0: the gradients of this rank's own keys start
+                dkv = torch.zeros_like(kv, dtype=dq.dtype)
+            else:  # those of the keys now held arrive from the previous rank
+                ring.wait(dkv_pending)
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
+            dkv, dkv_pending = ring.start(dkv)  # travels one step behind its keys
+            if step < ring.size - 1:
+                ring.wait(pending)
+                kv = incoming
+        ring.wait(dkv_pending)  # after cp shifts: the gradients of this rank's keys and values
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
+    keys and values k, v [b, g, s, d] are spread over `group` (the cp group)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, group, scale)

@@ -1,0 +1,58 @@
+"""--context-parallel-size and --cp-comm-type on the command line: the layout they make and the
+combinations refused (each a ConfigError that starts with the flag to change)."""
+
+import shlex
+
+import pytest
+
+from megadyn.training.arguments import ConfigError, parse_args
+
+BASE = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 60 --attention-dropout 0"
+)
+
+
+def parse(extra: str, world_size: int):
+    return parse_args(shlex.split(f"{BASE} {extra}"), world_size)
+
+
+def test_cp_is_a_layout_dimension():
+    cfg = parse(
+        "--context-parallel-size 2 --tensor-model-parallel-size 2 --cp-comm-type all_gather", 8
+    )
+    layout = cfg.layout(8)
+    assert (layout.tp, layout.cp, layout.dp, layout.pp) == (2, 2, 2, 1)
+    assert cfg.model.cp_comm_type == "all_gather"
+    assert cfg.training.global_batch_size == 2  # Megatron's default: micro batch x dp
+    cfg = parse(
+        "--context-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+        "--tensor-model-parallel-size 2",
+        8,
+    )
+    assert (cfg.layout(8).cp, cfg.layout(8).pp, cfg.layout(8).dp) == (2, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, flag",
+    [
+        ("--context-parallel-size 3", 6, "--seq-length"),  # 16 is not 2 x 3 chunks
+        ("--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
+         "--seq-length 24", 8, "--seq-length"),  # 24 % (2 x 2 x 4)
+        ("--context-parallel-size 2 --attention-dropout 0.1", 2, "--context-parallel-size"),
+        ("--context-parallel-size 2 --enable-cuda-graph --hidden-dropout 0", 2,
+         "--context-parallel-size"),
+        ("--context-parallel-size 2 --elastic-snapshot-interval 2", 2,
+         "--context-parallel-size"),
+        ("--context-parallel-size 0", 2, "--context-parallel-size"),
+        ("--cp-comm-type all_gather", 2, "--cp-comm-type"),
+        ("--context-parallel-size 2 --cp-comm-type a2a", 2, "--cp-comm-type"),
+    ],
+)  # fmt: skip
+def test_cp_refusals_name_their_flags(extra, world_size, flag):
+    with pytest.raises(ConfigError) as err:
+        parse(extra, world_size)
+    assert str(err.value).startswith(flag), str(err.value)
+    if "--attention-dropout" in extra:
+        assert "--attention-dropout" in str(err.value)

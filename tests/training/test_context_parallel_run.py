@@ -1,0 +1,58 @@
+"""pretrain_gpt.py's job with context parallelism trains like cp 1: at cp 2 with the
+distributed optimizer sharded over dp x cp, after a resume at cp 1 from its checkpoint, and
+across live changes tp 2 -> cp 2 -> dp 2 (tools/elastic_ctl.py's requests)."""
+
+import os
+from collections import Counter
+
+import pytest
+
+from megadyn.testing import free_port, spawn
+from tests.elastic.test_live_reconfiguration import elastic_run
+from tests.training.test_training_run import COMMON, close, train
+
+
+@pytest.fixture(scope="module")
+def single():
+    return train(1)  # cp 1, dp 1: 4 micro batches per step
+
+
+def test_cp2_with_distributed_optimizer_trains_like_cp1_and_resumes_at_cp1(single, tmp_path):
+    save = str(tmp_path / "ckpt")
+    cp2 = train(
+        2,
+        "--context-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--save",
+        save,
+        "--save-interval",
+        "3",
+    )
+    close(cp2, single)
+    resumed = train(1, "--load", os.path.join(save, "iter_0000003"))  # cp 2 -> cp 1
+    close(resumed, single[3:])
+
+
+def test_live_changes_tp2_cp2_dp2_train_like_cp1(single):
+    port = free_port()
+    argv = COMMON + [
+        "--tensor-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+        "--elastic-control-port",
+        str(port),
+    ]
+    requests = [
+        {"action": "layout", "tp": 1, "pp": 1, "cp": 2, "at_iteration": 2},
+        {"action": "layout", "tp": 1, "pp": 1, "cp": 1, "at_iteration": 4},  # dp 2
+    ]
+    results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
+    losses = {}
+    for r in results:
+        losses.update(r["losses"])
+    close([losses[i] for i in range(1, len(single) + 1)], single)
+    drawn = Counter(s for r in results for s in r["samples"])  # each sample read once
+    assert sorted(drawn) == list(range(4 * len(single))) and set(drawn.values()) == {1}
+    events = [e for r in results for e in r["events"]]
+    assert {e["new"] for e in events} == {"tp1xcp2xpp1xdp1", "tp1xpp1xdp2"}
