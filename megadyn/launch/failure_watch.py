@@ -1,0 +1,86 @@
+"""Watch the agent's failure records from a thread: the survivors' first sign of a dead peer.
+
+    watch = FailureWatch.start(timeout_s=60, on_failure=abort_nccl)   # under megadyn.launch
+    watch.dead()            # {rank: time the agent saw it gone}, as the thread last read it
+    watch.stop()
+
+Under `python -m megadyn.launch` (survivors kept, MEGADYN_KEEP_SURVIVORS=1), the agent records
+a worker that died in the attempt's key space of its store (failures.py: `failed/<rank>` and
+the counter `failed/count`). A collective with a dead peer raises on gloo only in that peer's
+direct neighbours, and on NCCL not at all until a timeout, so every process watches the
+counter, with its own client of the store, every `interval` seconds. `on_failure(dead)` runs
+in the thread when the set grows (on NCCL the runtime aborts its communicators there, which
+ends the collectives waiting on the dead rank); the elastic controller reads `dead()` at its
+step boundaries and polls, and its recovery agrees in `store` (megadyn/elastic/agreement.py).
+
+Starting the watch declares that this attempt's workers recover in-process
+(`failures.declare_recovering`): from then on the agent keeps the survivors running.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megadyn.launch import failures, torchrun_env
+from megadyn.launch.distributed_init import agent_store, attempt_prefix
+
+
+class FailureWatch:
+    """The failure records of this attempt, read by a daemon thread (a `FailureFeed`)."""
+
+    def __init__(self, store, world: int, timeout_s: float, interval: float, on_failure=None):
+        self.store, self.world, self.timeout_s = store, world, timeout_s
+        self.interval, self.on_failure = interval, on_failure
+        self._dead: dict[int, float] = {}
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megadyn-failures", daemon=True)
+        # the agreement's client: the thread keeps one of its own
+        self._reader = dist.PrefixStore(
+            attempt_prefix(torchrun_env.current().restart_count or 0),
+            agent_store(timedelta(seconds=30)),
+        )
+
+    @classmethod
+    def start(
+        cls, timeout_s: float, interval: float = 0.05, on_failure=None
+    ) -> FailureWatch | None:
+        """Declare in-process recovery and start watching; None unless the launcher keeps
+        survivors (plain torchrun stops every worker when one fails)."""
+        env = torchrun_env.current()
+        if env.restart_count is None or not env.keep_survivors:
+            return None
+        store = dist.PrefixStore(
+            attempt_prefix(env.restart_count), agent_store(timedelta(seconds=60))
+        )
+        watch = cls(store, dist.get_world_size(), timeout_s, interval, on_failure)
+        failures.declare_recovering(store)
+        watch._thread.start()
+        return watch
+
+    def dead(self) -> dict[int, float]:
+        return dict(self._dead)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                count = self._reader.add(failures.COUNT_KEY, 0)
+                if count <= self._seen:
+                    continue
+                records = failures.read(self._reader, self.world)
+            except Exception:  # noqa: BLE001 - the store did not answer this time
+                continue
+            self._seen = count
+            new = {r: f.time for r, f in records.items() if r not in self._dead}
+            if not new:
+                continue
+            self._dead.update(new)
+            if self.on_failure is not None:
+                self.on_failure(set(new))

@@ -1,0 +1,148 @@
+"""The survivors of a killed or hung worker recover in-process (megadyn/elastic/recovery.py).
+
+Real `python -m megadyn.launch --max-restarts 0` jobs of pretrain_gpt.py (through
+tests/elastic/recover_worker.py, which records each step's samples) on gloo, elastic mode:
+
+    5 processes, tp2 x dp2 and one standby   kill -9 of rank 1: the standby process takes its
+                                             place in the same layout; then SIGSTOP of rank 2:
+                                             its watchers kill it after the heartbeat timeout
+                                             and the 3 survivors train under the planner's
+                                             3-process layout
+    2 processes, dp2                         kill -9 of rank 1: dp 1 from rank 0's replica
+    2 processes, dp2, distributed optimizer  the dead rank's optimizer shard has no replica:
+                                             the newest in-memory snapshot, same processes
+    3 processes, dp3                         kill -9 of rank 2, then of rank 1 while the
+                                             first failure is handled: the last one goes on
+
+Each job exits 0 after training to the end; every logged loss equals an uninterrupted run's
+within 1e-5 (an interrupted step is logged twice, each time with the same loss), and every
+sample of every iteration is drawn once by the replicas that finished it last.
+"""
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from recovery_helpers import LINE, rank_of, run_torchrun, workers_of
+
+from megadyn.testing import free_port, run_pretrain, spawn
+
+TINY = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 12 "
+    "--lr 1e-3 --lr-decay-style constant --hidden-dropout 0 --attention-dropout 0 --seed 7 "
+    "--log-interval 1 --eval-interval 0 --num-workers 0"
+).split()
+ITERS = 14
+GBS = 12
+RECOVERED = re.compile(
+    r"elastic: epoch: \d+ \| event: failure \| iteration: (\d+) \| old: (\S+) \| new: (\S+) \| "
+    r"left: ([\d,]+) \| repeated: (\d+) \| from: ([a-z -]+) \|.* first_step_s: ([\d.]+) \| "
+    r"total_s: ([\d.]+)"
+)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(ITERS)],))[0]
+
+
+def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, str, float]]):
+    """Run one job; `signals`: (rank, at iteration, signal name, delay in s) sent in turn, each
+    once the log shows that iteration and every earlier signal's recovery (a delay > 0: that
+    many seconds after the signal before it, without waiting for its recovery)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "megadyn.launch", "--nproc-per-node", str(nproc),
+           "--max-restarts", "0", "--master-port", str(free_port()),
+           "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
+           "--elastic-control-port", str(free_port()), *flags]  # fmt: skip
+    state = {"iteration": 0, "recoveries": 0, "sent": []}
+
+    def send(agents, rank: int, name: str) -> None:
+        pid = next(p for p in workers_of(agents[0].pid) if rank_of(p) == rank)
+        os.kill(pid, getattr(signal, name))
+        state["sent"].append((rank, name, state["iteration"]))
+
+    def on_line(line, agents):
+        m = LINE.search(line)
+        state["iteration"] = int(m.group(1)) if m else state["iteration"]
+        state["recoveries"] += bool(RECOVERED.search(line))
+        sent = state["sent"]
+        if len(sent) < len(signals) and state["recoveries"] >= len(sent):
+            rank, at, name, _ = signals[len(sent)]
+            if state["iteration"] >= at:
+                send(agents, rank, name)
+                for rank, _, name, delay in signals[len(sent) :]:
+                    if not delay:
+                        break
+                    threading.Timer(delay, send, (agents, rank, name)).start()
+                    sent.append(None)  # counted now: sent by the timer
+
+    env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(Path(__file__).parents[2])}
+    (code,), log = run_torchrun([cmd], on_line, env=env, deadline_s=150)
+    print(log)
+    assert len(state["sent"]) == len(signals), state
+    return code, log, out
+
+
+def check_losses(log: str, reference: list[float], most_repeated: int = 1) -> None:
+    """Every logged loss matches the uninterrupted run; every iteration is logged, at most
+    `most_repeated` of them more than once."""
+    logged = defaultdict(list)
+    for it, loss in LINE.findall(log):
+        logged[int(it)].append(float(loss))
+    assert sorted(logged) == list(range(1, ITERS + 1)), sorted(logged)
+    for it, losses in logged.items():
+        for loss in losses:
+            want = reference[it - 1]
+            assert abs(loss - want) <= 1e-5 * abs(want), (it, loss, want)
+    assert sum(len(v) > 1 for v in logged.values()) <= most_repeated, dict(logged)
+
+
+def check_samples(out: Path) -> None:
+    """For each iteration, the replicas that ran it last drew each of its samples once."""
+    runs = defaultdict(list)  # iteration -> (time, samples) of every replica's step
+    for path in out.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            step = json.loads(line)
+            runs[step["it"]].append((step["t"], step["samples"]))
+    assert sorted(runs) == list(range(1, ITERS + 1)), sorted(runs)
+    for it, steps in runs.items():
+        last = max(t for t, _ in steps)  # a step run again ran after a recovery (> 0.5 s)
+        drawn = sorted(i for t, samples in steps if t > last - 0.5 for i in samples)
+        assert drawn == list(range(GBS * (it - 1), GBS * it)), (it, drawn)
+
+
+def recoveries(log: str) -> list[tuple]:
+    return RECOVERED.findall(log)
+
+
+def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
+    flags = ["--tensor-model-parallel-size", "2", "--elastic-initial-members", "4",
+             "--elastic-heartbeat-timeout", "3"]  # fmt: skip
+    code, log, out = job(tmp_path, 5, flags, [(1, 3, "SIGKILL", 0), (2, 7, "SIGSTOP", 0)])
+    assert code == 0, log[-3000:]
+    (first, second) = recoveries(log)
+    assert first[1:4] == ("tp2xpp1xdp2", "tp2xpp1xdp2", "1") and first[5] == "replicas"
+    assert second[1] == "tp2xpp1xdp2" and second[3] == "2" and second[5] == "replicas"
+    assert second[2].endswith("dp3") or "xdp1" in second[2], second  # 3 processes
+    assert "sent no heartbeat" in log and "killed it (same host)" in log, log[-3000:]
+    check_losses(log, reference, most_repeated=2)
+    check_samples(out)
+
+
+def test_dp2_to_dp1_from_the_replica(tmp_path, reference):
+    code, log, out = job(tmp_path, 2, [], [(1, 4, "SIGKILL", 0)])
+    assert code == 0, log[-3000:]
+    ((it, old, new, left, repeated, source, *_),) = recoveries(log)
+    assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "1", "replicas")
+    check_losses(log, reference)
+    check_samples(out)
