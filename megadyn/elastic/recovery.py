@@ -294,13 +294,16 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     controller.live = survivors
     lost = [r for r in decision["old_members"] if r in rnd.dead]  # this failure's
     failed_at = min(feed.dead()[r] for r in lost)
+    resumed = decision["iteration"]
+    if plan is None and trainer is not None:  # the snapshot's step
+        resumed = trainer.iteration
     event = {
         "event": "failure",
-        "iteration": decision["iteration"],
+        "iteration": resumed,
         "old": describe_layout(Layout(**decision["old_layout"])),
         "new": describe_layout(Layout(**decision["layout"])),
         "left": ",".join(map(str, lost)),
-        "repeated": (decision["newest"] or 0) - (decision["iteration"] or 0),
+        "repeated": max(0, (decision["newest"] or 0) - (resumed or 0)),
         "from": "replicas" if plan is not None else "in-memory snapshot",
         "detect_s": round(max(0.0, wall0 - failed_at), 4),
         "abort_s": round(t_abort - t0, 4),

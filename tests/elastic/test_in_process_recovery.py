@@ -64,7 +64,7 @@ def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, st
            "--max-restarts", "0", "--master-port", str(free_port()),
            "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
            "--elastic-control-port", str(free_port()), *flags]  # fmt: skip
-    state = {"iteration": 0, "recoveries": 0, "sent": []}
+    state = {"iteration": 0, "recoveries": 0, "sent": [], "next": 0}
 
     def send(agents, rank: int, name: str) -> None:
         pid = next(p for p in workers_of(agents[0].pid) if rank_of(p) == rank)
@@ -75,16 +75,15 @@ def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, st
         m = LINE.search(line)
         state["iteration"] = int(m.group(1)) if m else state["iteration"]
         state["recoveries"] += bool(RECOVERED.search(line))
-        sent = state["sent"]
-        if len(sent) < len(signals) and state["recoveries"] >= len(sent):
-            rank, at, name, _ = signals[len(sent)]
-            if state["iteration"] >= at:
-                send(agents, rank, name)
-                for rank, _, name, delay in signals[len(sent) :]:
-                    if not delay:
-                        break
-                    threading.Timer(delay, send, (agents, rank, name)).start()
-                    sent.append(None)  # counted now: sent by the timer
+        n = state["next"]
+        if n < len(signals) and state["recoveries"] >= n and state["iteration"] >= signals[n][1]:
+            send(agents, signals[n][0], signals[n][2])
+            state["next"] += 1
+            for rank, _, name, delay in signals[n + 1 :]:
+                if not delay:
+                    break
+                threading.Timer(delay, send, (agents, rank, name)).start()
+                state["next"] += 1
 
     env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(Path(__file__).parents[2])}
     (code,), log = run_torchrun([cmd], on_line, env=env, deadline_s=150)
@@ -145,4 +144,28 @@ def test_dp2_to_dp1_from_the_replica(tmp_path, reference):
     ((it, old, new, left, repeated, source, *_),) = recoveries(log)
     assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "1", "replicas")
     check_losses(log, reference)
+    check_samples(out)
+
+
+def test_no_replica_of_an_optimizer_shard_falls_back_to_the_snapshot(tmp_path, reference):
+    flags = ["--use-distributed-optimizer", "--elastic-snapshot-interval", "3",
+             "--elastic-snapshot-dir", str(tmp_path / "snapshots")]  # fmt: skip
+    code, log, out = job(tmp_path, 2, flags, [(1, 8, "SIGKILL", 0)])
+    assert code == 0, log[-3000:]
+    ((it, old, new, left, repeated, source, *_),) = recoveries(log)
+    assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "1", "in-memory snapshot")
+    assert "recovery: resuming from the in-memory snapshot" in log, log[-3000:]
+    check_losses(log, reference, most_repeated=ITERS)
+    check_samples(out)
+
+
+def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
+    # rank 1 dies 0.3 s after rank 2: while the survivors handle the first failure (or just
+    # after); the last process trains on alone
+    code, log, out = job(tmp_path, 3, [], [(2, 4, "SIGKILL", 0), (1, 4, "SIGKILL", 0.3)])
+    assert code == 0, log[-3000:]
+    found = recoveries(log)
+    assert found and found[-1][2] == "tp1xpp1xdp1", found
+    assert sorted(",".join(r[3] for r in found).split(",")) == ["1", "2"], found
+    check_losses(log, reference, most_repeated=2)
     check_samples(out)
