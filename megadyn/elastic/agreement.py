@@ -61,6 +61,8 @@ class Report:
     members: list[int] = field(default_factory=list)
     group_count: int = 0
     """How many process groups it has drawn names for (sequential names must agree)."""
+    host: str = ""
+    """Its host name (where the control store goes when its host died)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

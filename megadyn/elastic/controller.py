@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megadyn.core.distributed import default_bucket_size
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import FailureFeed, PeerFailed
+from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError
 from megadyn.elastic.control import NONE, ControlChannel
 from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
@@ -78,18 +78,21 @@ class ElasticController:
         drain_signal: DrainSignal | None = None,
         failures: FailureFeed | None = None,
         resume=None,
+        reconnect=None,
     ):
         """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
         `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
         weights uninitialized: they arrive through the reshard; the caller above this package
         provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM), the
         failure records (`failures`: survivors of a failed process recover in-process,
-        recovery.py) and `resume(trainer) -> bool` (load the newest in-memory snapshot, when
-        no replica holds what a dead process held)."""
+        recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
+        no replica holds what a dead process held) and `reconnect(rank, host)` (the control
+        store hosted anew by process `rank` on `host`, when its host died)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.drain = Drain(channel, drain_signal)
         self.failures, self.resume = failures, resume or (lambda trainer: False)
+        self.reconnect, self.control_rank = reconnect, 0  # rank 0 hosts the control store
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.members: list[int] = []  # the layout's, known to standby processes too
@@ -206,6 +209,16 @@ class ElasticController:
         event = {"epoch": self.epoch, **event}
         self._recovered = (event, time.perf_counter())
         return trainer
+
+    def rehost_control(self, rank: int, host: str) -> None:
+        """The control store's host died: process `rank` (on `host`) serves a new one on the
+        same port, empty (a request that was queued is lost and has to be sent again)."""
+        if self.reconnect is None:
+            raise RecoveryError("the control store's host died and nothing can host it anew")
+        self.channel = self.drain.channel = self.reconnect(rank, host)
+        self.control_rank = rank
+        if dist.get_rank() == rank:
+            self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
 
     def distopt_of(self, layout: Layout) -> DistOpt | None:
         return distopt_of(self.cfg, layout)

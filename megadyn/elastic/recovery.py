@@ -32,6 +32,7 @@ import io
 import sys
 import time
 from dataclasses import dataclass
+from socket import gethostname
 
 import torch
 import torch.distributed as dist
@@ -119,6 +120,7 @@ def decide(controller, model_cfg, groups, reports: dict[int, Report], dead: set[
         "old_members": list(old_members),
         "group_count": max(rep.group_count for rep in reports.values()),
         "vocab_size": model_cfg.vocab_size,
+        "control": [min(reports), reports[min(reports)].host],  # if its host died
     }
     steps = sorted({rep.iteration for rep in members.values() if rep.iteration is not None})
     head["newest"] = max(steps, default=None)
@@ -168,7 +170,9 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
         dead = set(feed.dead())
         survivors = [r for r in controller.live if r not in dead]
         rnd = Round(feed.store, dead)
-        report = Report(rank, member=salvaged is not None, group_count=_group_count())
+        report = Report(
+            rank, member=salvaged is not None, group_count=_group_count(), host=gethostname()
+        )
         if salvaged is not None:
             g = salvaged.groups
             report = dataclasses.replace(
@@ -292,6 +296,8 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
         gc.collect()
     t_done = time.perf_counter()
     controller.live = survivors
+    if controller.control_rank in rnd.dead:  # the control store went with its host
+        controller.rehost_control(*decision["control"])
     lost = [r for r in decision["old_members"] if r in rnd.dead]  # this failure's
     failed_at = min(feed.dead()[r] for r in lost)
     resumed = decision["iteration"]

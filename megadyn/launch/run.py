@@ -120,15 +120,18 @@ def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, last_hook=None) ->
     return hooks
 
 
-def control_channel(cfg: MegadynConfig) -> ControlChannel:
+def control_channel(cfg: MegadynConfig, rank: int = 0, host: str | None = None) -> ControlChannel:
     """The job's control store, hosted by rank 0 (--elastic-control-port, else torchrun's store
-    port + 1), for the controller and tools/elastic_ctl.py."""
+    port + 1), for the controller and tools/elastic_ctl.py; after rank 0 died, by process
+    `rank` on `host` (the survivors' recovery), on the same port."""
     env = torchrun_env.current()
-    host = env.master_addr or "127.0.0.1"
     port = cfg.elastic.control_port or (env.master_port or 29500) + 1
     launcher_port = env.master_port if env.use_agent_store else None
-    store = connect(host, port, is_server=dist.get_rank() == 0, launcher_port=launcher_port)
-    dist.barrier()  # the server is up before anyone else uses the channel
+    is_server = dist.get_rank() == rank
+    address = (env.master_addr or "127.0.0.1") if host is None else host
+    store = connect(address, port, is_server=is_server, launcher_port=launcher_port)
+    if host is None:
+        dist.barrier()  # the server is up before anyone else uses the channel
     return ControlChannel(store)
 
 
@@ -166,6 +169,7 @@ def run(
             drain_signal=drain_signal,
             failures=failures,
             resume=resume_snapshot,
+            reconnect=lambda rank, host: control_channel(cfg, rank, host),
         )
         last_hook = controller.step_hook
     layout = cfg.layout(dist.get_world_size())

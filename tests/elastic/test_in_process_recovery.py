@@ -139,10 +139,11 @@ def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
 
 
 def test_dp2_to_dp1_from_the_replica(tmp_path, reference):
-    code, log, out = job(tmp_path, 2, [], [(1, 4, "SIGKILL", 0)])
+    code, log, out = job(tmp_path, 2, [], [(0, 4, "SIGKILL", 0)])  # with the control store
     assert code == 0, log[-3000:]
     ((it, old, new, left, repeated, source, *_),) = recoveries(log)
-    assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "1", "replicas")
+    assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "0", "replicas")
+    assert "elastic: rank 1 (" in log and "now hosts the control store" in log, log[-3000:]
     check_losses(log, reference)
     check_samples(out)
 
