@@ -84,3 +84,18 @@ class FailureWatch:
             self._dead.update(new)
             if self.on_failure is not None:
                 self.on_failure(set(new))
+
+
+def abort_nccl_groups() -> None:
+    """On NCCL a collective that waits on a dead rank does not return: abort the communicator
+    of every group but the default one (the recovery destroys them all and builds new ones).
+    Run with TORCH_NCCL_ASYNC_ERROR_HANDLING=0, so that NCCL's watchdog leaves the process up."""
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is default or dist.get_backend(group) != "nccl":
+            continue
+        try:
+            c10d._abort_process_group(group)
+        except Exception:  # noqa: BLE001 - destroyed meanwhile by the main thread
+            pass

@@ -28,7 +28,7 @@ from megadyn.elastic.controller import ElasticController, Released
 from megadyn.elastic.drain import DrainSignal, Stopped
 from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
-from megadyn.launch.failure_watch import FailureWatch
+from megadyn.launch.failure_watch import FailureWatch, abort_nccl_groups
 from megadyn.launch.replan import config_for_world
 from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapshot
 from megadyn.launch.watchdog import Watchdog
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None):
                 flush=True,
             )
     watchdog = Watchdog.start(cfg.elastic.heartbeat_timeout)  # under torchrun only
-    watch = watch_failures(cfg, watchdog)
+    watch = watch_failures(cfg, watchdog, device)
     try:
         result = run(cfg, device, watchdog=watchdog, failures=watch)
     finally:
@@ -91,16 +91,22 @@ def main(argv: list[str] | None = None):
     return result
 
 
-def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None) -> FailureWatch | None:
+def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None, device) -> FailureWatch | None:
     """Under `python -m megadyn.launch`, in elastic mode with --elastic-recovery in-process:
     declare that the survivors of a failure recover in-process and watch the agent's failure
     records (failure_watch.py); a hung rank is then killed by its watchers and recovered from
-    like a dead one."""
+    like a dead one. On GPUs the watch aborts the NCCL communicators when a failure comes."""
     el = cfg.elastic
     if not (el.live and el.recovery == "in-process"):
         return None
-    forget = watchdog.forget if watchdog is not None else None
-    watch = FailureWatch.start(timeout_s=max(60.0, 2 * el.heartbeat_timeout), on_failure=forget)
+
+    def on_failure(dead: set[int]) -> None:  # in the watch's thread
+        if watchdog is not None:
+            watchdog.forget(dead)
+        if device.type == "cuda":
+            abort_nccl_groups()
+
+    watch = FailureWatch.start(max(60.0, 2 * el.heartbeat_timeout), on_failure=on_failure)
     if watch is not None and watchdog is not None:
         watchdog.keep_going = True
     return watch
