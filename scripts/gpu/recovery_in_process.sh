@@ -25,7 +25,7 @@ for run in ${RUNS:-replicas snapshot}; do
   fi
   SNAP=(); ARGS=("${FLAGS[@]}" "${COMMON[@]}")
   if [ "$run" = snapshot ]; then ARGS+=("${EXTRA[@]:0:4}"); SNAP=("${EXTRA[@]:4}"); fi
-  timeout 170 python3 tools/bench_recovery.py --in-process --nproc 2 --kill-after 12 "${SNAP[@]}" \
+  timeout "${RUN_TIMEOUT:-170}" python3 tools/bench_recovery.py --in-process --nproc 2 --kill-after 12 "${SNAP[@]}" \
     --log "$OUT/$run.log" -- "${ARGS[@]}" | tee "$OUT/$run.json"
   grep -E "event: failure|cannot recover|Error" "$OUT/$run.log" | head -5
 done
