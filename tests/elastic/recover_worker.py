@@ -37,7 +37,8 @@ def recording(train_step):
             for j in range(n)
             for i in micro_batch_indices(consumed + j * mbs * dp_size, dp_rank, dp_size, mbs)
         ]
-        line = {"it": trainer.iteration, "t": time.time(), "samples": samples}
+        members = list(trainer.groups.grid.members)
+        line = {"it": trainer.iteration, "t": time.time(), "members": members, "samples": samples}
         with open(OUT / f"rank{RANK}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         return result

@@ -108,15 +108,15 @@ def check_losses(log: str, reference: list[float], most_repeated: int = 1) -> No
 
 def check_samples(out: Path) -> None:
     """For each iteration, the replicas that ran it last drew each of its samples once."""
-    runs = defaultdict(list)  # iteration -> (time, samples) of every replica's step
+    runs = defaultdict(list)  # iteration -> (time, members, samples) of every replica's step
     for path in out.glob("rank*.jsonl"):
         for line in path.read_text().splitlines():
             step = json.loads(line)
-            runs[step["it"]].append((step["t"], step["samples"]))
+            runs[step["it"]].append((step["t"], step["members"], step["samples"]))
     assert sorted(runs) == list(range(1, ITERS + 1)), sorted(runs)
     for it, steps in runs.items():
-        last = max(t for t, _ in steps)  # a step run again ran after a recovery (> 0.5 s)
-        drawn = sorted(i for t, samples in steps if t > last - 0.5 for i in samples)
+        last = max(steps)[1]  # a step run again after a recovery ran under other members
+        drawn = sorted(i for _, members, samples in steps if members == last for i in samples)
         assert drawn == list(range(GBS * (it - 1), GBS * it)), (it, drawn)
 
 
