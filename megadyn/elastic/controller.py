@@ -207,7 +207,11 @@ class ElasticController:
         self.epoch += 1
         self.members = list(event.pop("members"))
         event = {"epoch": self.epoch, **event}
-        self._recovered = (event, time.perf_counter())
+        if trainer is not None:  # its line comes after the first step
+            self._recovered = (event, time.perf_counter())
+        else:
+            event.pop("failed_at")
+            self.events.append(event)
         return trainer
 
     def rehost_control(self, rank: int, host: str) -> None:

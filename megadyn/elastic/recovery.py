@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
-import sys
 import time
 from dataclasses import dataclass
 from socket import gethostname
@@ -63,6 +62,8 @@ class Salvaged:
 
 def abort(trainer) -> Salvaged:
     """ABORT: this rank's tensors and scalars, then nothing of the old layout is left."""
+    if not trainer.built:  # it left its layout halfway through a reconfiguration
+        raise RecoveryError("a process failed while the layout was changing")
     buf = io.BytesIO()
     torch.save(trainer.rng_states(), buf)
     training = trainer.training_state_dict()
@@ -283,13 +284,16 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
                 controller, trainer, salvaged, rnd, decision, created
             )
             break
+        except RecoveryError:
+            raise
         except (RuntimeError, PlanError):  # a collective with a process that died meanwhile
-            if isinstance(sys.exc_info()[1], RecoveryError) or not _more_failures(
-                feed, rnd.dead, feed.timeout_s
-            ):
+            if not _more_failures(feed, rnd.dead, feed.timeout_s):
                 raise
         for made in created:  # the new layout's groups: another round builds its own
-            made.destroy() if isinstance(made, ParallelGroups) else dist.destroy_process_group(made)
+            if isinstance(made, ParallelGroups):
+                made.destroy()
+            else:
+                dist.destroy_process_group(made)
         created.clear()
         if trainer is not None:
             trainer.release()

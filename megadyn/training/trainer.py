@@ -230,6 +230,11 @@ class Trainer:
         self.tracker = self.pipeline_cfg = self.loss_fn = self.cuda_graph = None
         self.scheduler.bind(None)  # it drove the optimizer, which holds groups
 
+    @property
+    def built(self) -> bool:
+        """It holds a layout's model and optimizer (not `release`d)."""
+        return self.chunks is not None
+
     def salvage(self) -> tuple[dict[str, torch.Tensor], bool]:
         """A peer died: this rank's tensors of training state, read without communication,
         and whether they are those of `iteration` (False when a step stopped inside the
