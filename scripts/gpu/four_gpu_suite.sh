@@ -6,7 +6,7 @@
 #              and dp4 with the CUDA graph (megadyn only; pp > 1 cannot be captured yet).
 #              Needs .whl/ (megatron-core 0.19.2) and .bench/mcore_gpt_bench.py, see BENCHMARKS.md.
 #   reshard    live layout changes of the 1.42B model from tp2 x pp2 (tools/bench_reshard.py):
-#              -> dp4 -> tp2 x dp2 -> tp2 x pp2, against a DCP save + load of the same state.
+#              -> dp4 -> tp2 x dp2 -> cp2 x dp2 -> tp2 x pp2, against a DCP save + load of the same state.
 #   recovery   kill -9 of one worker at tp2 x pp2 (1.42B, snapshots every 20 steps in
 #              /dev/shm), restart path through torchrun (tools/bench_recovery.py), RECOVERY_RUNS.
 #   all        reference reshard recovery (more than one call's 10 minutes: BUDGET_S cuts it).
