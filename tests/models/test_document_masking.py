@@ -117,3 +117,20 @@ def test_a_packed_sample_is_each_document_alone(variant):
     )
     kept = tokens[0] != EOD
     torch.testing.assert_close(lm_loss(per_token, batch), per_token[0, kept].mean())
+
+
+def test_rotary_tables_follow_reset_positions():
+    cfg = GPTConfig.llama(
+        num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=50, reset_position_ids=True
+    )
+    model = GPTModel(cfg)
+    init_chunk(model, 1234)
+    tokens = torch.tensor([[11, 12, 13, EOD, 14, 15, 16, 17], [18, 19, 20, 21, EOD, 22, 23, 24]])
+    reset = DocumentMasking(EOD, reset_position_ids=True)({"tokens": tokens})["position_ids"]
+    with torch.no_grad():
+        plain = model(tokens)
+        counted = model(tokens, torch.arange(8).expand(2, 8))
+        restarted = model(tokens, reset)
+    torch.testing.assert_close(counted, plain)
+    torch.testing.assert_close(restarted[:4], plain[:4])  # the first document: same positions
+    assert (restarted[5:] - plain[5:]).abs().max() > 1e-5  # later ones: restarted positions
