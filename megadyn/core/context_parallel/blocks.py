@@ -61,10 +61,10 @@ def block_forward(
     heads = q.shape[1]
     scores = _scores(q, _expand(k, heads), causal, scale, visible)  # [b, n, sq, sk]
     lse = torch.logsumexp(scores, dim=-1)  # [b, n, sq]
+    shift = lse
     if visible is not None:  # rows without a visible key: probabilities 0, not NaN
-        probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
-    else:
-        probs = torch.exp(scores - lse.unsqueeze(-1))
+        shift = lse.masked_fill(lse == float("-inf"), 0.0)
+    probs = torch.exp(scores - shift.unsqueeze(-1))
     return torch.matmul(probs, _acc(_expand(v, heads))), lse
 
 
@@ -83,9 +83,8 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=
     heads, groups = q.shape[1], k.shape[1]
     k_all, v_all = _acc(_expand(k, heads)), _acc(_expand(v, heads))
     dout = _acc(dout)
-    probs = torch.exp(
-        _scores(q, k_all, causal, scale, visible) - lse.unsqueeze(-1)
-    )  # [b, n, sq, sk]
+    scores = _scores(q, k_all, causal, scale, visible)  # [b, n, sq, sk]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), dout)  # [b, n, sk, d]
     dprobs = torch.matmul(dout, v_all.transpose(-1, -2))  # [b, n, sq, sk]
     delta = (dout * _acc(out)).sum(-1, keepdim=True)  # [b, n, sq, 1]
