@@ -9,7 +9,8 @@ steps (which take each rank's chunks of the batch), DDP over dp x cp and finaliz
 
 The same job runs the document-masked cases (--reset-position-ids, --reset-attention-mask,
 --eod-mask-loss on packed samples): cp 2 and 4 with both comm types, tp 2 with sequence
-parallelism, pp 2, against the single-process model under the same masks.
+parallelism, pp 2, selective recomputation, against the single-process model under the same
+masks.
 """
 
 import pytest
@@ -159,6 +160,7 @@ def body(rank, world):
     for layout, members, variant, comm_types in DOC_CASES:
         for comm_type in comm_types:
             run_case(layout, members, variant, comm_type, references, documents=True)
+    run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, RECOMPUTE[1], documents=True)
 
 
 def test_context_parallel_matches_single_process():
