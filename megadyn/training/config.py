@@ -268,6 +268,14 @@ class DataConfig:
     """Data loader worker processes (--num-workers)."""
     data_cache_path: str | None = None
     """Directory for the cached sample indices (--data-cache-path)."""
+    reset_attention_mask: bool = False
+    """Attention stays within each document of a packed sample: a token sees the earlier
+    tokens up to and including its document's end-of-document token only
+    (--reset-attention-mask)."""
+    eod_mask_loss: bool = False
+    """No loss at positions whose input token is the end-of-document token, i.e. on the
+    prediction of the next document's first token; the loss is the mean over the other
+    tokens (--eod-mask-loss)."""
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,12 @@ class Trainer:
         if previous is not None:  # rebuilt under a new layout: the schedule goes on
             self.scheduler.load_state_dict(previous.state_dict())
         self.train_loader = build_loader(
-            self.data.train, cfg, groups.dp_rank, groups.dp_size, self.state.consumed_samples
+            self.data.train,
+            cfg,
+            groups.dp_rank,
+            groups.dp_size,
+            self.state.consumed_samples,
+            self.data.documents,
         )
         self.cuda_graph = self._cuda_graph(groups.layout)
 

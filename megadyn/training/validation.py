@@ -26,6 +26,7 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
     _validate_members(cfg.elastic, world_size)
     layout = _validate_layout(cfg, world_size)
     _validate_context_parallel(cfg, layout)
+    _validate_document_masking(cfg)
     _validate_recompute(cfg, layout)
     _validate_kernels(cfg, layout)
     check_schedule(cfg.scheduler, cfg.optimizer, cfg.training.train_iters)
@@ -92,6 +93,21 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
     for other, used in unsupported.items():
         if used:
             raise ConfigError(f"{flag} > 1 does not run with {other} yet: drop one of them")
+
+
+def _validate_document_masking(cfg: MegadynConfig) -> None:
+    """What --reset-attention-mask's attention does not run with yet, naming both flags."""
+    if not cfg.data.reset_attention_mask:
+        return
+    unsupported = {
+        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+    }
+    for other, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"--reset-attention-mask does not run with {other} yet: drop one of them"
+            )
 
 
 def _validate_recompute(cfg: MegadynConfig, layout: Layout) -> None:

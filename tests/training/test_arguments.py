@@ -41,6 +41,7 @@ FLAGS = [
     "--overlap-grad-reduce", "--overlap-param-gather", "--pipeline-model-parallel-size",
     "--position-embedding-type", "--rampup-batch-size", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--rotary-base", "--save", "--save-interval",
+    "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
     "--seed", "--seq-length", "--sequence-parallel", "--split", "--start-weight-decay",
     "--swiglu", "--tensor-model-parallel-size", "--tp-comm-overlap", "--tp-comm-overlap-transport", "--timing-log-level", "--tokenizer-model",
     "--tokenizer-type", "--train-iters", "--train-samples", "--untie-embeddings-and-output-weights",
