@@ -1,6 +1,8 @@
 """Pipeline templates and the heterogeneous planner: balance, exact batch split, members used."""
 
+import importlib.util
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,15 @@ def test_planner_uses_every_member_where_grids_cannot():
         assert best_grid(PLANNER, n).layout.world_size < n
     assert isinstance(grid_or_templates(hetero, 5), HeteroPlan)
     assert grid_or_templates(hetero, 8).layout.world_size == 8  # a grid uses them all
+
+
+def test_simulation_tool_prints_a_row_per_member_count(capsys):
+    tool = Path(__file__).resolve().parents[2] / "tools" / "simulate_templates.py"
+    spec = importlib.util.spec_from_file_location("simulate_templates", tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--members", "5", "6", "--layers", "24", "--global-batch-size", "32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 24 ")]
+    assert len(rows) == 2
+    five = [cell.strip() for cell in rows[0].split("|")[1:-1]]
+    assert five[2] == "5" and five[4] == "80%" and five[6] == "100%" and five[10] == "templates"
