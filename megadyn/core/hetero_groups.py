@@ -32,7 +32,7 @@ from torch import nn
 
 from megadyn.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megadyn.core.groups import ParallelGroups
-from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout
+from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
 
 
 @dataclass
@@ -104,17 +104,6 @@ class HeteroGroups:
             replica.destroy()
         self._replicas.clear()
         self.replica = None
-
-
-def reduce_part(name: str, layer_ranges: Sequence[range]) -> range | str:
-    """The reduce part of a global parameter name (megadyn/models/sharding.py's names)."""
-    head, _, rest = name.partition(".")
-    if head == "embedding":
-        return rest.split(".")[0]  # word_embeddings or position_embeddings
-    if head == "decoder" and rest.startswith("layers."):
-        layer = int(rest.split(".")[1])
-        return next(r for r in layer_ranges if layer in r)
-    return "final_layernorm"  # the final norm and an untied output layer: the last stages
 
 
 def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> None:

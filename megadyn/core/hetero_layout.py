@@ -23,6 +23,7 @@ Nothing here touches torch.distributed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +36,18 @@ class HeteroCoords(NamedTuple):
     replica: int
     stage: int
     tp: int
+
+
+def reduce_part(name: str, layer_ranges: Sequence[range]) -> range | str:
+    """The reduce part of a global parameter name (megadyn/models/sharding.py's names): the
+    layer range holding it, or the embedding end it belongs to."""
+    head, _, rest = name.partition(".")
+    if head == "embedding":
+        return rest.split(".")[0]  # word_embeddings or position_embeddings
+    if head == "decoder" and rest.startswith("layers."):
+        layer = int(rest.split(".")[1])
+        return next(r for r in layer_ranges if layer in r)
+    return "final_layernorm"  # the final norm and an untied output layer: the last stages
 
 
 class ReduceGroup(NamedTuple):

@@ -19,6 +19,7 @@ from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import forward_backward
 from megadyn.core.recompute import RecomputeConfig
+from megadyn.elastic.hetero_description import describe_hetero
 from megadyn.elastic.hetero_planner import HeteroPlanner
 from megadyn.elastic.layout_planner import LayoutPlanner
 from megadyn.testing.spawn import spawn
@@ -83,6 +84,8 @@ def _train_hetero(layout: HeteroLayout) -> dict:
         return {}
     cpu = torch.device("cpu")
     parts = build_model_parts(CFG, MODEL, hetero.replica, cpu, stage_layers=hetero.stage_layers)
+    described = {k for k in describe_hetero(MODEL, layout).held(hetero.rank) if k[:6] == "model."}
+    assert {f"model.{n}" for c in parts.chunks for n, _ in c.named_parameters()} == described
     read: list[int] = []
     first = hetero.replica.is_first_stage
     offset, count = hetero.microbatch_offset, hetero.micro_batches
