@@ -78,14 +78,15 @@ class HeteroPlan:
 
     def layout(self, members, num_layers: int, tied: bool = True) -> HeteroLayout:
         """The plan over the first `members_used` of `members`: replica by replica, stage by
-        stage, tp fastest."""
+        stage, tp fastest; each stage's ranks ascending, as torch numbers a group's ranks."""
         members = list(members)[: self.members_used]
         replicas, start = [], 0
         for template, micro in zip(self.templates, self.micro_batches):
-            size = template.num_stages * self.tp
-            replicas.append(Replica(template.stage_layers, tuple(members[start:start + size]),
-                                    micro))  # fmt: skip
-            start += size
+            ranks: list[int] = []
+            for _ in range(template.num_stages):
+                ranks += sorted(members[start : start + self.tp])
+                start += self.tp
+            replicas.append(Replica(template.stage_layers, tuple(ranks), micro))
         return HeteroLayout(self.tp, num_layers, tuple(replicas), tied)
 
     def describe(self) -> str:

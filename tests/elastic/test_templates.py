@@ -108,6 +108,10 @@ def test_planner_uses_every_member_where_grids_cannot():
         assert layout.world_size == n and layout.num_microbatches == sum(plan.micro_batches)
     for n in (5, 7, 11):  # no grid uses 5, 7 or 11 members of this model and batch
         assert best_grid(PLANNER, n).layout.world_size < n
+    tp2 = hetero.evaluate(2, 1, RecomputeConfig("full", "uniform", 1), (3, 2))
+    shuffled = tp2.layout(range(9, -1, -1), BIG.num_layers)  # members given in any order
+    stages = [rep.stage_ranks(s, 2) for rep in shuffled.replicas for s in range(rep.num_stages)]
+    assert stages == [(8, 9), (6, 7), (4, 5), (2, 3), (0, 1)]  # ascending within a stage
     assert isinstance(grid_or_templates(hetero, 5), HeteroPlan)
     assert grid_or_templates(hetero, 8).layout.world_size == 8  # a grid uses them all
 
