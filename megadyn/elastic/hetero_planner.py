@@ -178,10 +178,9 @@ class HeteroPlanner:
                         used = min(replicas * counts[-1], slots)
                         mixes = set(_multisets(counts[::-1], replicas, used))
                         depth, longer = divmod(slots, replicas)
-                        fits = self.template(tp, mbs, rc, replicas, depth + (longer > 0))
-                        if depth >= counts[0] and fits is not None:
-                            used = slots
-                            mixes.add((depth + 1,) * longer + (depth,) * (replicas - longer))
+                        even = (depth + 1,) * longer + (depth,) * (replicas - longer)
+                        if all(self.template(tp, mbs, rc, replicas, s) for s in set(even)):
+                            mixes.add(even)
                         for depths in mixes:
                             yield sum(depths) * tp, tp, mbs, rc, depths
 
