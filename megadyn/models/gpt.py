@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megadyn.core.context_parallel import all_reduce_sum, local_positions
-from megadyn.core.layout import chunk_layer_range
+from megadyn.core.layout import LayoutError, chunk_layer_range
 from megadyn.core.recompute import RecomputeConfig, run_layers
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -249,22 +249,35 @@ def build_gpt_chunks(
     tracker: RNGTracker | None = None,
     seed: int | None = None,
     device=None,
+    stage_layers: tuple[range, ...] | None = None,
 ) -> list[GPTModel]:
-    """The model chunks this rank runs under `groups.layout` (one per virtual stage)."""
+    """The model chunks this rank runs under `groups.layout` (one per virtual stage).
+    `stage_layers` (one range per pipeline stage, no virtual stages) replaces the layout's even
+    split: a pipeline template's stages (megadyn/core/hetero_layout.py)."""
     layout = groups.layout
+    if stage_layers is not None and (len(stage_layers) != layout.pp or layout.vpp != 1):
+        raise LayoutError(
+            f"{len(stage_layers)} stage layer ranges for a pipeline of {layout.pp} stages "
+            f"x {layout.vpp} virtual stages (templates have no virtual stages)"
+        )
     layout.validate(
-        num_layers=cfg.num_layers,
+        # uneven template stages need no divisibility: ranges checked by HeteroLayout
+        num_layers=cfg.num_layers if stage_layers is None else layout.pp,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
     )
     chunks = []
     for c in range(layout.vpp):
+        if stage_layers is None:
+            layer_range = chunk_layer_range(layout, cfg.num_layers, groups.pp_rank, c)
+        else:
+            layer_range = stage_layers[groups.pp_rank]
         chunk = GPTModel(
             cfg,
             tp_group=groups.tp_group,
             cp_group=groups.cp_group,
             sequence_parallel=layout.sequence_parallel,
-            layer_range=chunk_layer_range(layout, cfg.num_layers, groups.pp_rank, c),
+            layer_range=layer_range,
             pre_process=groups.pp_rank == 0 and c == 0,
             post_process=groups.pp_rank == layout.pp - 1 and c == layout.vpp - 1,
             recompute_cfg=recompute_cfg,
