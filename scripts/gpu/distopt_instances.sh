@@ -3,7 +3,8 @@
 # optimizer shard held twice) on the 1.42B reference model at dp 2 with the distributed
 # optimizer: first the 2-GPU parity test (one instance vs two, fp32 and bf16, the
 # cross-instance all-reduce on its side stream), then tools/bench_gpt.py at 1 and 2 instances
-# in alternating rounds, ROUNDS times (default 3). Writes parity.log, results.jsonl, table.md.
+# in alternating rounds, ROUNDS times (default 3). Writes parity.log, results.jsonl, table.md
+# and runs.log (every run's output, one after the other).
 # Usage: bash scripts/gpu/distopt_instances.sh OUTDIR [ITERS]
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_distopt}; ITERS=${2:-8}; ROUNDS=${ROUNDS:-3}; mkdir -p "$OUT"
@@ -11,14 +12,15 @@ export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$
 timeout "${PARITY_TIMEOUT:-150}" python3 -c \
   "import tests.core.test_distopt_instances as t; t.test_two_instances_on_gpus()" > "$OUT/parity.log" 2>&1
 echo "parity: exit code $?" | tee -a "$OUT/parity.log"
-: > "$OUT/results.jsonl"
+: > "$OUT/results.jsonl"; : > "$OUT/runs.log"; LOGS=$(mktemp -d)
 for round in $(seq 1 "$ROUNDS"); do
   for n in 1 2; do
-    log="$OUT/n${n}_r${round}.log"
+    log="$LOGS/n${n}_r${round}.log"
     timeout "${ROW_TIMEOUT:-120}" torchrun --standalone --nproc-per-node 2 tools/bench_gpt.py \
       --gbs 16 --num-distributed-optimizer-instances "$n" --iters "$ITERS" --warmup 3 \
       > "$log" 2>&1 || tail -5 "$log"
     grep '^{' "$log" | sed "s/^{/{\"round\": $round, /" >> "$OUT/results.jsonl"
+    { echo "=== instances $n, round $round"; cat "$log"; } >> "$OUT/runs.log"
   done
 done
 python3 - "$OUT/results.jsonl" <<'PY' | tee "$OUT/table.md"
