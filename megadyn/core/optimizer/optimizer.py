@@ -211,8 +211,9 @@ class MixedPrecisionOptimizer:
     def param_state(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """{main, exp_avg, exp_avg_sq} of `param` as fp32 tensors of its full local shape.
 
-        Collective over dp with the distributed optimizer: every dp rank must call it for the
-        same params in the same order.
+        Collective over dp with the distributed optimizer (over this rank's instance under
+        --num-distributed-optimizer-instances): every dp rank must call it for the same params
+        in the same order.
         """
         shard = self._shard_of.get(param)
         pieces = []
