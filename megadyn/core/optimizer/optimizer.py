@@ -12,7 +12,8 @@ elements that this rank updates. Without the distributed optimizer that is the w
 with it, the intersection of the parameter with the part of its gradient bucket that this dp
 rank owns (see `param_and_grad_buffer.py`), possibly empty. With several optimizer instances
 (--num-distributed-optimizer-instances) the ranks of each instance shard it alike, so the
-rank at the same place in another instance updates the same shard with the same gradient. Each shard has an fp32 main copy
+rank at the same place in another instance updates the same shard with the same gradient.
+Each shard has an fp32 main copy
 (for fp32 params, a view of the param itself) whose `.grad` is the matching slice of
 `param.main_grad`, and torch's AdamW updates the shards. After the step, main copies are cast
 back into the params and, with the distributed optimizer, all-gathered over dp.
