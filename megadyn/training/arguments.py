@@ -146,6 +146,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
+    par("--num-distributed-optimizer-instances", type=int)
     par("--distributed-timeout-minutes", type=int)
     _add_elastic_args(p)
 

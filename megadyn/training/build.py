@@ -80,6 +80,8 @@ def build_model_parts(
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
             bucket_size=default_bucket_size(p.overlap_grad_reduce, groups.dp_cp_size),
+            shard_group=groups.intra_distopt_group,  # --num-distributed-optimizer-instances
+            replica_group=groups.inter_distopt_group,
         )
         for c in chunks
     ]

@@ -72,8 +72,25 @@ def _validate_layout(cfg: MegadynConfig, world_size: int) -> Layout:
         raise ConfigError(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
         )
+    _validate_distopt_instances(par.num_distributed_optimizer_instances, dist_opt, layout)
     MicroBatchCalculator.from_config(cfg.training).check_dp_size(layout.dp)
     return layout
+
+
+def _validate_distopt_instances(instances: int, dist_opt: bool, layout: Layout) -> None:
+    """At the start the instances must divide dp x cp (a live change falls back to one)."""
+    flag = "--num-distributed-optimizer-instances"
+    if instances < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {instances}")
+    if instances > 1 and not dist_opt:
+        raise ConfigError(f"{flag} ({instances}) needs --use-distributed-optimizer")
+    if layout.distopt_instances != instances:
+        with_cp = f" x --context-parallel-size ({layout.cp})" if layout.cp > 1 else ""
+        raise ConfigError(
+            f"{flag} ({instances}) must divide the data-parallel size ({layout.dp}){with_cp}: "
+            "change it or the number of processes (world size / (--tensor-model-parallel-size "
+            "x --pipeline-model-parallel-size))"
+        )
 
 
 def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
