@@ -8,9 +8,13 @@ tests/elastic/recover_worker.py, which records each step's samples) on gloo, ela
                                              its watchers kill it after the heartbeat timeout
                                              and the 3 survivors train under the planner's
                                              3-process layout
-    2 processes, dp2                         kill -9 of rank 1: dp 1 from rank 0's replica
-    2 processes, dp2, distributed optimizer  the dead rank's optimizer shard has no replica:
-                                             the newest in-memory snapshot, same processes
+    2 processes, dp2                         kill -9 of rank 0 (it hosts the control store):
+                                             dp 1 from rank 1's replica; rank 1 hosts the
+                                             control store anew
+    2 processes, dp2, distributed optimizer  kill -9 of rank 1: with 2 optimizer instances its
+                                             shard has a replica on rank 0; with 1 it has none
+                                             and the survivor loads the newest in-memory
+                                             snapshot, in the same process
     3 processes, dp3                         kill -9 of rank 2, then of rank 1 while the
                                              first failure is handled: the last one goes on
 
@@ -138,12 +142,26 @@ def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
     check_samples(out)
 
 
-def test_dp2_to_dp1_from_the_replica(tmp_path, reference):
-    code, log, out = job(tmp_path, 2, [], [(0, 4, "SIGKILL", 0)])  # with the control store
+@pytest.mark.parametrize(
+    "flags, victim",
+    [
+        ([], 0),  # rank 0, which hosts the control store
+        (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 1),
+    ],
+    ids=["replicated-weights-rank0", "replicated-optimizer-shards"],
+)
+def test_dp2_to_dp1_from_the_replica(tmp_path, reference, flags, victim):
+    code, log, out = job(tmp_path, 2, flags, [(victim, 4, "SIGKILL", 0)])
     assert code == 0, log[-3000:]
     ((it, old, new, left, repeated, source, *_),) = recoveries(log)
-    assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "0", "replicas")
-    assert "elastic: rank 1 (" in log and "now hosts the control store" in log, log[-3000:]
+    assert (old.split("+")[0], new, left, source) == (
+        "tp1xpp1xdp2",
+        "tp1xpp1xdp1",
+        str(victim),
+        "replicas",
+    )
+    if victim == 0:
+        assert "elastic: rank 1 (" in log and "now hosts the control store" in log, log[-3000:]
     check_losses(log, reference)
     check_samples(out)
 
