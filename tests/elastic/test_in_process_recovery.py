@@ -14,7 +14,8 @@ tests/elastic/recover_worker.py, which records each step's samples) on gloo, ela
     2 processes, dp2, distributed optimizer  kill -9 of rank 1: with 2 optimizer instances its
                                              shard has a replica on rank 0; with 1 it has none
                                              and the survivor loads the newest in-memory
-                                             snapshot, in the same process
+                                             snapshot, in the same process; with no snapshot
+                                             it says why and exits (the restart path)
     3 processes, dp3                         kill -9 of rank 2, then of rank 1 while the
                                              first failure is handled: the last one goes on
 
@@ -189,3 +190,14 @@ def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
     assert sorted(",".join(r[3] for r in found).split(",")) == ["1", "2"], found
     check_losses(log, reference, most_repeated=2)
     check_samples(out)
+
+
+def test_no_replica_and_no_snapshot_take_the_restart_path(tmp_path):
+    # the dead rank's optimizer shard is nowhere else and no snapshot was taken: one line says
+    # so, the survivor exits and torchrun's path follows (no restarts left: the job fails)
+    code, log, _ = job(tmp_path, 2, ["--use-distributed-optimizer"], [(1, 4, "SIGKILL", 0)])
+    assert code != 0, log[-3000:]
+    line = "elastic: the survivors of rank(s) [1] cannot recover in-process: no survivor holds a replica"
+    assert log.count(line) == 1, log[-3000:]
+    assert "and no in-memory snapshot to load; exiting so that torchrun's restart path runs" in log
+    assert "megadyn.launch: the survivors failed too (rank 0" in log, log[-3000:]
