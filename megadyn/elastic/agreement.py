@@ -40,6 +40,10 @@ class FailureFeed(Protocol):
     """A store that outlives every worker (the agent's), for the agreement."""
     timeout_s: float
     """How long a survivor waits for the others to report before giving up."""
+    device_done: int | None
+    """Where the runtime aborted device communicators (NCCL): the last step whose device work
+    had finished before it did (None: nothing was aborted). A collective cut short by an abort
+    does not raise, so the steps after it may have gone on with partial results."""
 
     def dead(self) -> dict[int, float]:
         """Ranks recorded dead so far, with the wall time their failure was seen."""

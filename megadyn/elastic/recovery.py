@@ -60,8 +60,11 @@ class Salvaged:
     model_cfg: object
 
 
-def abort(trainer) -> Salvaged:
-    """ABORT: this rank's tensors and scalars, then nothing of the old layout is left."""
+def abort(trainer, device_done: int | None = None) -> Salvaged:
+    """ABORT: this rank's tensors and scalars, then nothing of the old layout is left.
+    `device_done`: after an abort of the device communicators, the last step whose device work
+    had finished before it; a later step may have used a collective cut short, so tensors
+    past it are no step's."""
     if not trainer.built:  # it left its layout halfway through a reconfiguration
         raise RecoveryError("a process failed while the layout was changing")
     buf = io.BytesIO()
@@ -71,6 +74,8 @@ def abort(trainer) -> Salvaged:
     groups = trainer.groups
     groups.destroy()
     gc.collect()  # gloo closes a group's sockets only once nothing refers to it
+    if device_done is not None and trainer.iteration > device_done:
+        clean = False
     iteration = trainer.iteration if clean else None
     return Salvaged(tensors, iteration, training, buf.getvalue(), groups, trainer.model_cfg)
 
@@ -273,7 +278,7 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     """The survivors' recovery on this process (`trainer` None: a standby process): the
     trainer it runs next (None: standby) and the recovery's event (its phases' seconds)."""
     t0, wall0 = time.perf_counter(), time.time()
-    salvaged = abort(trainer) if trainer is not None else None
+    salvaged = abort(trainer, feed.device_done) if trainer is not None else None
     t_abort = time.perf_counter()
     created: list = []
     while True:

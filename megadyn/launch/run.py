@@ -28,7 +28,7 @@ from megadyn.elastic.controller import ElasticController, Released
 from megadyn.elastic.drain import DrainSignal, Stopped
 from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
-from megadyn.launch.failure_watch import FailureWatch, abort_nccl_groups
+from megadyn.launch.failure_watch import FailureWatch
 from megadyn.launch.replan import config_for_world
 from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapshot
 from megadyn.launch.watchdog import Watchdog
@@ -99,14 +99,11 @@ def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None, device) -> Fai
     el = cfg.elastic
     if not (el.live and el.recovery == "in-process"):
         return None
-
-    def on_failure(dead: set[int]) -> None:  # in the watch's thread
-        if watchdog is not None:
-            watchdog.forget(dead)
-        if device.type == "cuda":
-            abort_nccl_groups()
-
-    watch = FailureWatch.start(max(60.0, 2 * el.heartbeat_timeout), on_failure=on_failure)
+    watch = FailureWatch.start(
+        max(60.0, 2 * el.heartbeat_timeout),
+        on_failure=watchdog.forget if watchdog is not None else None,
+        abort_nccl=device.type == "cuda",
+    )
     if watch is not None and watchdog is not None:
         watchdog.keep_going = True
     return watch
@@ -211,17 +208,22 @@ def run(
                 hook.drop(trainer)
         close(trainer)
         return history
-    return train_elastic(controller, trainer)
+    return train_elastic(controller, trainer, failures)
 
 
-def train_elastic(controller: ElasticController, trainer: Trainer | None) -> dict:
-    """Train while the controller keeps this process a member (standby without `trainer`)."""
+def train_elastic(
+    controller: ElasticController, trainer: Trainer | None, watch: FailureWatch | None = None
+) -> dict:
+    """Train while the controller keeps this process a member (standby without `trainer`);
+    `watch` (failure_watch.py) is told which trainer runs."""
     losses, samples = {}, []
     while True:
         if trainer is None:
             trainer = controller.standby()
             if trainer is None:
                 break
+        if watch is not None:
+            watch.trainer = trainer
         failed = False
         try:
             trainer.train()

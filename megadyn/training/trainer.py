@@ -69,6 +69,7 @@ class Trainer:
         self.hooks = as_hooks(hooks)  # in this order at every step boundary
         self.loss_by_iteration: dict[int, float] = {}
         self.updating = False  # inside the optimizer's update (recovery.py reads it)
+        self.step_done = None  # CUDA: an event recorded after the last step's work
         self.step_seconds: float | None = None  # measured at the last log line
         self.draws: list[
             tuple[int, int, int, int]
@@ -316,6 +317,9 @@ class Trainer:
             "data cursor drifted"
         )
         self.updating = False
+        if self.device.type == "cuda":  # when the device is done with this step's work
+            self.step_done = torch.cuda.Event()
+            self.step_done.record()
         return self._mean_loss(losses), applied, grad_norm
 
     def _mean_loss(self, losses) -> torch.Tensor | None:

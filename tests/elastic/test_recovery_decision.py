@@ -3,7 +3,9 @@ a standby process takes the dead member's place; without one the survivors go on
 layout for their count; the oldest step every survivor reached is chosen, and only survivors
 at that step are read from (`restrict`); where no survivor holds a piece (the distributed
 optimizer's shard of the dead rank, dp 1) the decision says what is missing, and the recovery
-falls back to a snapshot."""
+falls back to a snapshot. A survivor's tensors are those of its step unless the step stopped
+inside the optimizer's update, or ran past the last one the device had finished when the NCCL
+communicators were aborted."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import Report
 from megadyn.elastic.controller import distopt_of
 from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery import decide, recovery_plan
+from megadyn.elastic.recovery import abort, decide, recovery_plan
 from megadyn.training.arguments import parse_args
 
 TINY = (
@@ -97,3 +99,28 @@ def test_no_layout_for_the_survivors_is_an_error():
     cfg, controller, groups = setup(tp2dp2, range(4), "--elastic-min-members", "4")
     d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
     assert d["error"].startswith("no layout for the survivors: 3 members is below")
+
+
+def fake_trainer(iteration: int, clean: bool):
+    return SimpleNamespace(
+        built=True,
+        iteration=iteration,
+        model_cfg=None,
+        groups=SimpleNamespace(destroy=lambda: None),
+        rng_states=lambda: {},
+        training_state_dict=lambda: {"state": {"iteration": iteration}},
+        salvage=lambda: ({}, clean),
+    )
+
+
+@pytest.mark.parametrize(
+    "clean, device_done, step",
+    [
+        (True, None, 7),  # gloo: a collective with a dead peer raised before any update
+        (False, None, None),  # it stopped inside the optimizer's update
+        (True, 7, 7),  # NCCL: the device had finished step 7 before the abort
+        (True, 6, None),  # step 7 may have used a collective the abort cut short
+    ],
+)
+def test_the_step_a_survivors_tensors_are_at(clean, device_done, step):
+    assert abort(fake_trainer(7, clean), device_done).iteration == step
