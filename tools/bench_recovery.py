@@ -9,6 +9,12 @@ after, the snapshot the job resumed from, the seconds from the kill to the first
 after the restart, and the job's own recovery line. The full log goes to `--log`, its lines after
 the kill prefixed with the seconds since it (torchrun's agent logs at INFO level, so its
 stopping, rendezvous and starting of the workers show there too).
+
+    python tools/bench_recovery.py --in-process --nproc 2 --kill-after 25 -- <flags>
+
+`--in-process` starts `python -m megadyn.launch --max-restarts 0` instead (the flags must turn
+elastic mode on: --elastic-control-port): the survivors recover in the same processes, and the
+job's line is its ` elastic: ... event: failure` line.
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ def main() -> None:
     p.add_argument("--victim", type=int, default=1, help="index of the worker to kill")
     p.add_argument("--log", default="recovery.log")
     p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--in-process", action="store_true", help="megadyn.launch, no restart")
     p.add_argument("pretrain_args", nargs=argparse.REMAINDER)
     a = p.parse_args()
     flags = [x for x in a.pretrain_args if x != "--"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(a.nproc), "--max-restarts", "1", "--monitor-interval", "0.1",
+    launcher, restarts = ("megadyn.launch", "0") if a.in_process else ("torch.distributed.run", "1")
+    cmd = [sys.executable, "-m", launcher, "--nnodes", "1",
+           "--nproc-per-node", str(a.nproc), "--max-restarts", restarts, "--monitor-interval", "0.1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{a.port}",
            "--rdzv-id", "bench-recovery", "pretrain_gpt.py", *flags]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="INFO")  # the agent's steps too
@@ -68,12 +76,12 @@ def main() -> None:
                 last = int(m.group(1))
                 os.kill(children(job.pid)[a.victim], signal.SIGKILL)
                 killed_at = time.monotonic()
-            elif m and resumed is not None and back_at is None:
+            elif m and (resumed is not None or a.in_process) and killed_at and back_at is None:
                 back_at = time.monotonic()
             r = RESUMED.search(line)
             if r and killed_at is not None:
                 resumed = int(r.group(1))
-            if "recovery: restart" in line:
+            if "recovery: restart" in line or "event: failure" in line:
                 job_line = line.strip()
     code = job.wait()
     result = dict(

@@ -132,9 +132,17 @@ class ControlChannel:
         _set_json(self.store, "state", state)
 
     # --- follower side -----------------------------------------------------------------------
-    def decision(self, iteration: int):
-        """Block until the leader decided for `iteration`."""
-        return _get_json(self.store, f"decision/{iteration}")
+    def decision(self, iteration: int, interrupt=None):
+        """Block until the leader decided for `iteration`; `interrupt()` runs while it waits
+        (it raises to stop waiting: a peer died, recovery.py)."""
+        key = f"decision/{iteration}"
+        if interrupt is not None:
+            delay = 0.0005
+            while not self.store.check([key]):
+                interrupt()
+                time.sleep(delay)
+                delay = min(0.01, delay * 2)
+        return _get_json(self.store, key)
 
     def epoch(self, n: int) -> Reconfiguration | Finish:
         """Reconfiguration `n` (published before the decision that names it)."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megadyn.core.distributed import default_bucket_size
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
+from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError
 from megadyn.elastic.control import NONE, ControlChannel
 from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
@@ -39,6 +40,7 @@ from megadyn.elastic.records import (
     RequestError,
     reconfiguration,
 )
+from megadyn.elastic.recovery import recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
 
@@ -74,16 +76,27 @@ class ElasticController:
         make_trainer=None,
         print_fn=print,
         drain_signal: DrainSignal | None = None,
+        failures: FailureFeed | None = None,
+        resume=None,
+        reconnect=None,
     ):
         """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
         `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
         weights uninitialized: they arrive through the reshard; the caller above this package
-        provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM)."""
+        provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM), the
+        failure records (`failures`: survivors of a failed process recover in-process,
+        recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
+        no replica holds what a dead process held) and `reconnect(rank, host)` (the control
+        store hosted anew by process `rank` on `host`, when its host died)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.drain = Drain(channel, drain_signal)
+        self.failures, self.resume = failures, resume or (lambda trainer: False)
+        self.reconnect, self.control_rank = reconnect, 0  # rank 0 hosts the control store
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
+        self.members: list[int] = []  # the layout's, known to standby processes too
+        self._recovered: tuple[dict, float] | None = None  # its first step is still to time
         self.events: list[dict] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
 
@@ -91,6 +104,10 @@ class ElasticController:
     def step_hook(self, trainer: ReshardableTrainer) -> None:
         groups = trainer.groups
         it = trainer.iteration
+        self.members = list(groups.grid.members)
+        if self._recovered is not None:
+            self._log_recovery(trainer)
+        self.check_failures()
         interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
             return
@@ -106,7 +123,7 @@ class ElasticController:
                 }
             )
             self.channel.decide(it, self._leader_decision(trainer))
-        decision = self.channel.decision(it)
+        decision = self.channel.decision(it, interrupt=self.check_failures)
         if decision == NONE:
             self.drain.fall_back_if_refused()
             return
@@ -157,6 +174,73 @@ class ElasticController:
 
         return self.drain.decide(trainer, self.cfg, resolve, self.epoch + 1, self.print)
 
+    # --- failures: the survivors stay up (recovery.py) ----------------------------------------
+    def check_failures(self) -> None:
+        """Raise PeerFailed when a member of the layout was recorded dead; a dead standby
+        process only leaves the live set."""
+        dead = self.failures.dead() if self.failures is not None else {}
+        gone = [r for r in dead if r in self.live]
+        if not gone:
+            return
+        if any(r in self.members for r in gone):
+            raise PeerFailed(f"rank(s) {gone} failed")
+        self.live = [r for r in self.live if r not in dead]
+
+    def failed(self, timeout_s: float) -> bool:
+        """After a collective raised: whether a member's failure is recorded within
+        `timeout_s` (else the error is not a peer's death)."""
+        if self.failures is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.check_failures()
+            except PeerFailed:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def recover(self, trainer: ReshardableTrainer | None) -> ReshardableTrainer | None:
+        """The survivors' recovery (recovery.py): the trainer this process runs next, None
+        when it waits as standby."""
+        trainer, event = recover(self, trainer, self.failures)
+        self.epoch += 1
+        self.members = list(event.pop("members"))
+        event = {"epoch": self.epoch, **event}
+        if trainer is not None:  # its line comes after the first step
+            self._recovered = (event, time.perf_counter())
+        else:
+            event.pop("failed_at")
+            self.events.append(event)
+        return trainer
+
+    def rehost_control(self, rank: int, host: str) -> None:
+        """The control store's host died: process `rank` (on `host`) serves a new one on the
+        same port, empty (a request that was queued is lost and has to be sent again)."""
+        if self.reconnect is None:
+            raise RecoveryError("the control store's host died and nothing can host it anew")
+        self.channel = self.drain.channel = self.reconnect(rank, host)
+        self.control_rank = rank
+        if dist.get_rank() == rank:
+            self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
+
+    def distopt_of(self, layout: Layout) -> DistOpt | None:
+        return distopt_of(self.cfg, layout)
+
+    def _log_recovery(self, trainer: ReshardableTrainer) -> None:
+        """After the first step since a recovery: its line (on the last member), with the
+        first step's seconds and the total from the failure's record."""
+        event, t_done = self._recovered
+        self._recovered = None
+        failed_at = event.pop("failed_at")
+        event["first_step_s"] = round(time.perf_counter() - t_done, 4)
+        event["total_s"] = round(time.time() - failed_at, 4)
+        event["completed"] = trainer.iteration
+        self.events.append(event)
+        if dist.get_rank() == trainer.groups.grid.members[-1]:
+            self.print(format_event(event), flush=True)
+            trainer.log_event("reconfiguration", event)
+
     def _calibrate(self, trainer: ReshardableTrainer) -> None:
         """Calibrate the layout planner's cost model on this layout's measured step time."""
         if trainer.step_seconds:
@@ -185,6 +269,7 @@ class ElasticController:
         self.epoch = rec.epoch
         if isinstance(rec, Finish):
             return None
+        self.members = list(rec.members)
         if rec.event == "drain" and (rec.layout, rec.members) == (rec.old_layout, rec.old_members):
             return self._shrink_live_set(rec, trainer)  # a drained standby process leaves
         t0 = time.perf_counter()
@@ -295,9 +380,16 @@ class ElasticController:
         def poll():  # after SIGTERM: the drain notice, and SIGTERM's end if it is refused
             self.drain.send(rank)
             self.drain.fall_back_if_refused()
+            self.check_failures()  # a member died: this process may take its place
 
         while True:
-            rec = self.channel.wait_epoch(self.epoch + 1, on_poll=poll)
+            try:
+                rec = self.channel.wait_epoch(self.epoch + 1, on_poll=poll)
+            except PeerFailed:
+                trainer = self.recover(None)
+                if trainer is not None:
+                    return trainer
+                continue
             if isinstance(rec, Finish):
                 return None
             try:

@@ -42,6 +42,16 @@ class ReshardableTrainer(Protocol):
         """Finish what still uses the current groups (a snapshot being written, a CUDA graph)."""
         ...
 
+    @property
+    def built(self) -> bool:
+        """It holds a layout's model and optimizer (not released)."""
+        ...
+
+    def salvage(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """A peer died: this rank's tensors (no communication) and whether they are those of
+        `iteration`; then it drops every part that refers to the old groups."""
+        ...
+
     def release(self) -> None:
         """Drop everything layout-dependent: this process leaves the layout."""
         ...

@@ -22,18 +22,26 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
+from megadyn.elastic.agreement import PeerFailed, RecoveryError
 from megadyn.elastic.control import ControlChannel, connect
 from megadyn.elastic.controller import ElasticController, Released
 from megadyn.elastic.drain import DrainSignal, Stopped
 from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
+from megadyn.launch.failure_watch import FailureWatch
 from megadyn.launch.replan import config_for_world
-from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume
+from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapshot
 from megadyn.launch.watchdog import Watchdog
 from megadyn.training.arguments import distributed_timeout
 from megadyn.training.config import MegadynConfig
 from megadyn.training.state import TrainingState
 from megadyn.training.trainer import Trainer
+
+FAILURE_RECORD_WAIT_S = 10.0
+"""After a collective raised: how long to wait for the agent to record a dead peer (it polls
+its workers every --monitor-interval) before taking the error for another one."""
+RECOVERY_EXIT = 76
+"""Exit status of a survivor that cannot recover in-process."""
 
 
 def main(argv: list[str] | None = None):
@@ -69,14 +77,36 @@ def main(argv: list[str] | None = None):
                 flush=True,
             )
     watchdog = Watchdog.start(cfg.elastic.heartbeat_timeout)  # under torchrun only
+    watch = watch_failures(cfg, watchdog, device)
     try:
-        result = run(cfg, device, watchdog=watchdog)
+        result = run(cfg, device, watchdog=watchdog, failures=watch)
     finally:
         if watchdog is not None:
             watchdog.stop()
-    dist.destroy_process_group()
+        if watch is not None:
+            watch.stop()
+    if watch is None or not watch.dead():  # else the default group has a dead member
+        dist.destroy_process_group()
     fork_server.job_done()
     return result
+
+
+def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None, device) -> FailureWatch | None:
+    """Under `python -m megadyn.launch`, in elastic mode with --elastic-recovery in-process:
+    declare that the survivors of a failure recover in-process and watch the agent's failure
+    records (failure_watch.py); a hung rank is then killed by its watchers and recovered from
+    like a dead one. On GPUs the watch aborts the NCCL communicators when a failure comes."""
+    el = cfg.elastic
+    if not (el.live and el.recovery == "in-process"):
+        return None
+    watch = FailureWatch.start(
+        max(60.0, 2 * el.heartbeat_timeout),
+        on_failure=watchdog.forget if watchdog is not None else None,
+        abort_nccl=device.type == "cuda",
+    )
+    if watch is not None and watchdog is not None:
+        watchdog.keep_going = True
+    return watch
 
 
 def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, last_hook=None) -> list:
@@ -93,19 +123,29 @@ def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, last_hook=None) ->
     return hooks
 
 
-def control_channel(cfg: MegadynConfig) -> ControlChannel:
+def control_channel(cfg: MegadynConfig, rank: int = 0, host: str | None = None) -> ControlChannel:
     """The job's control store, hosted by rank 0 (--elastic-control-port, else torchrun's store
-    port + 1), for the controller and tools/elastic_ctl.py."""
+    port + 1), for the controller and tools/elastic_ctl.py; after rank 0 died, by process
+    `rank` on `host` (the survivors' recovery), on the same port."""
     env = torchrun_env.current()
-    host = env.master_addr or "127.0.0.1"
     port = cfg.elastic.control_port or (env.master_port or 29500) + 1
     launcher_port = env.master_port if env.use_agent_store else None
-    store = connect(host, port, is_server=dist.get_rank() == 0, launcher_port=launcher_port)
-    dist.barrier()  # the server is up before anyone else uses the channel
+    is_server = dist.get_rank() == rank
+    address = (env.master_addr or "127.0.0.1") if host is None else host
+    store = connect(address, port, is_server=is_server, launcher_port=launcher_port)
+    if host is None:
+        dist.barrier()  # the server is up before anyone else uses the channel
     return ControlChannel(store)
 
 
-def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_fn=print):
+def run(
+    cfg: MegadynConfig,
+    device,
+    *,
+    watchdog: Watchdog | None = None,
+    failures: FailureWatch | None = None,
+    print_fn=print,
+):
     """Train the job of `cfg` on this rank. Without live reconfiguration: the per-step losses
     of the logging rank. With it: this process's losses by iteration, the sample indices it
     drew and the reconfiguration events it took part in (a standby process trains only after
@@ -130,6 +170,9 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
             make_trainer=make_trainer,
             print_fn=print_fn,
             drain_signal=drain_signal,
+            failures=failures,
+            resume=resume_snapshot,
+            reconnect=lambda rank, host: control_channel(cfg, rank, host),
         )
         last_hook = controller.step_hook
     layout = cfg.layout(dist.get_world_size())
@@ -144,6 +187,8 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
             flush=True,
         )
     trainer = None
+    if controller is not None:
+        controller.members = list(groups.grid.members)
     if groups.is_member:  # the rest wait as standby processes of the controller
         hooks = step_hooks(cfg, watchdog, last_hook)
         with ThreadPoolExecutor(1, thread_name_prefix="megadyn-connect") as pool:
@@ -163,17 +208,23 @@ def run(cfg: MegadynConfig, device, *, watchdog: Watchdog | None = None, print_f
                 hook.drop(trainer)
         close(trainer)
         return history
-    return train_elastic(controller, trainer)
+    return train_elastic(controller, trainer, failures)
 
 
-def train_elastic(controller: ElasticController, trainer: Trainer | None) -> dict:
-    """Train while the controller keeps this process a member (standby without `trainer`)."""
+def train_elastic(
+    controller: ElasticController, trainer: Trainer | None, watch: FailureWatch | None = None
+) -> dict:
+    """Train while the controller keeps this process a member (standby without `trainer`);
+    `watch` (failure_watch.py) is told which trainer runs."""
     losses, samples = {}, []
     while True:
         if trainer is None:
             trainer = controller.standby()
             if trainer is None:
                 break
+        if watch is not None:
+            watch.trainer = trainer
+        failed = False
         try:
             trainer.train()
         except Stopped:  # a drain was refused under --exit-signal-handler: save and exit
@@ -185,12 +236,41 @@ def train_elastic(controller: ElasticController, trainer: Trainer | None) -> dic
             if e.leave:
                 break
             continue
+        except PeerFailed:  # seen at a step boundary
+            failed = True
+        except RuntimeError:  # a collective with a dead (or recovering) peer
+            if not controller.failed(timeout_s=FAILURE_RECORD_WAIT_S):
+                raise
+            failed = True
+        if failed:  # outside the handler: the error's frames no longer hold the old groups
+            losses.update(trainer.loss_by_iteration)
+            trainer = recover_or_exit(controller, trainer)
+            if trainer is not None:
+                losses = {i: v for i, v in losses.items() if i <= trainer.iteration}
+            continue
         losses.update(trainer.loss_by_iteration)
         samples += trainer.samples_drawn
         controller.finish(trainer)
         close(trainer)
         break
     return {"losses": losses, "samples": samples, "events": controller.events}
+
+
+def recover_or_exit(controller: ElasticController, trainer: Trainer | None) -> Trainer | None:
+    """The survivors' in-process recovery; when it cannot run, one line says why and this
+    process exits, so that torchrun's restart path follows."""
+    try:
+        return controller.recover(trainer)
+    except RecoveryError as e:
+        dead = controller.failures.dead()
+        if dist.get_rank() == min(r for r in controller.live if r not in dead):
+            print(
+                f" elastic: the survivors of rank(s) {sorted(dead)} cannot recover in-process: "
+                f"{e}; exiting so that torchrun's restart path runs (--max-restarts)",
+                flush=True,
+            )
+        sys.stdout.flush()
+        os._exit(RECOVERY_EXIT)  # the default group has a dead member: no teardown
 
 
 def save_and_stop(trainer: Trainer) -> None:

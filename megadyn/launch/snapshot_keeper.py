@@ -49,6 +49,10 @@ class SnapshotKeeper(StepHook):
     def quiesce(self, trainer) -> None:
         self.finish(trainer)
 
+    def abandon(self, trainer) -> None:
+        self.pending = self.agreement = None  # its writers may wait on the dead process
+        self.staging = {}
+
     def new_layout(self, trainer) -> None:
         self.staging = {}  # host buffers of the old layout's snapshots go
 
@@ -123,27 +127,7 @@ def resume(trainer) -> None:
         found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
     usable = found.iteration is not None
     if usable and (disk is None or found.iteration >= ckpt.checkpoint_iteration(disk)):
-        path = snapshots.gather_snapshot(found, root, trainer.groups.members_group)
-        startup.mark("snapshot located")
-        for line in found.passed_over(root) + found.copies():
-            say(f" recovery: {line}", flush=True)
-        say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
-        start = time.perf_counter()
-
-        def read_snapshot():  # its collectives use the gloo members group
-            return trainer.read(path), time.perf_counter() - start
-
-        with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
-            reading = pool.submit(read_snapshot)
-            warm_up(trainer)  # the device groups meanwhile
-            loaded, seconds = reading.result()
-        trainer.adopt(loaded)
-        startup.mark("snapshot read beside a warm-up step")
-        say(
-            f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s (read in "
-            f"{seconds:.1f} s beside the warm-up)",
-            flush=True,
-        )
+        _load_snapshot(trainer, found, root, say)
     elif disk is not None:
         if p.snapshot_interval and not usable:
             why = "".join(f" ({line})" for line in found.passed_over(root)[:1])
@@ -160,3 +144,43 @@ def resume(trainer) -> None:
         )
     elif load:
         say(f" --load {load}: no checkpoint found, training from scratch", flush=True)
+
+
+def resume_snapshot(trainer) -> bool:
+    """Load the newest complete in-memory snapshot into `trainer` (the survivors of a failure
+    that no replica covers, in the same processes); False when there is none."""
+    p = trainer.cfg.elastic
+    if not p.snapshot_interval:
+        return False
+    root, group = snapshots.snapshot_root(p.snapshot_dir), trainer.groups.members_group
+    found = snapshots.plan_recovery(root, snapshots.HostMap.gather(group), group)
+    if found.iteration is None:
+        return False
+    _load_snapshot(trainer, found, root, trainer.print if trainer.logs else (lambda *a, **k: None))
+    return True
+
+
+def _load_snapshot(trainer, found, root: str, say) -> None:
+    """Copy the pieces of snapshot `found` to the hosts that lack them and load it, reading
+    beside a warm-up step."""
+    path = snapshots.gather_snapshot(found, root, trainer.groups.members_group)
+    startup.mark("snapshot located")
+    for line in found.passed_over(root) + found.copies():
+        say(f" recovery: {line}", flush=True)
+    say(f" recovery: resuming from the in-memory snapshot {path}", flush=True)
+    start = time.perf_counter()
+
+    def read_snapshot():  # its collectives use the gloo members group
+        return trainer.read(path), time.perf_counter() - start
+
+    with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
+        reading = pool.submit(read_snapshot)
+        warm_up(trainer)  # the device groups meanwhile
+        loaded, seconds = reading.result()
+    trainer.adopt(loaded)
+    startup.mark("snapshot read beside a warm-up step")
+    say(
+        f" recovery: snapshot loaded in {time.perf_counter() - start:.1f} s (read in "
+        f"{seconds:.1f} s beside the warm-up)",
+        flush=True,
+    )

@@ -19,7 +19,10 @@ and reads the keys of the `WATCHED` ranks after it (every other rank in jobs of 
 clock sees it, so host clocks need not agree) and is not done makes each rank watching it print
 one line naming it and exit with `HUNG_PEER_EXIT`; the agent then restarts the worker group. A
 silent rank on the same host is SIGKILLed first: the agent would wait 30 s for a hung process
-that ignores its SIGTERM. A rank that dies is the agent's to notice.
+that ignores its SIGTERM. A rank that dies is the agent's to notice. When the survivors recover
+in-process (`keep_going`, under megadyn.launch), the watchers only SIGKILL a silent rank on
+their host, which the agent then records as any dead worker, and go on; ranks recorded dead
+are no longer watched (`forget`).
 
 The keys outlive the attempt, so a restarted job reads the previous attempt's: the failure is
 dated by the last heartbeat of the rank that went silent first (at most one interval before the
@@ -102,6 +105,8 @@ class Watchdog:
         # the ranks this one watches: the next WATCHED ones around the ring (all, in small jobs)
         self.watched = [str((rank + i) % world) for i in range(1, min(world, WATCHED + 1))]
         self._reported = False
+        self.keep_going = False  # survivors recover in-process: kill a hung rank, stay up
+        self._forgotten: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megadyn-heartbeat", daemon=True)
 
@@ -149,6 +154,10 @@ class Watchdog:
             f"{prev.attempt} | {startup.timeline(since=prev.last_heartbeat)}"
         )
 
+    def forget(self, ranks) -> None:
+        """Stop watching `ranks` (they were recorded dead)."""
+        self._forgotten |= {str(r) for r in ranks}
+
     def stop(self) -> None:
         """This rank is done: mark it so, and end the thread."""
         self._stop.set()
@@ -193,6 +202,8 @@ class Watchdog:
                 if key not in seen or seen[key][0] != value:
                     seen[key] = (value, now)
             for key in others:
+                if key in self._forgotten:
+                    continue
                 value, changed = seen.get(key, (None, start))
                 if value is not None and json.loads(value)["done"]:
                     continue
@@ -202,6 +213,16 @@ class Watchdog:
                     beat = json.loads(value) if value is not None else {}
                     where = " ({host}, pid {pid})".format(**beat) if beat else ""
                     killed = _kill_if_here(int(key), beat)
+                    here = beat.get("host") == socket.gethostname()
+                    if here and self.keep_going:  # the agent records it; survivors recover
+                        self._forgotten.add(key)
+                        self.print(
+                            f" watchdog: rank {self.rank}: rank {key}{where} sent no heartbeat "
+                            f"for {now - changed:.1f} s (--elastic-heartbeat-timeout "
+                            f"{self.timeout:g}); killed it (same host), the survivors recover",
+                            flush=True,
+                        )
+                        continue
                     self._exit(
                         f"rank {key}{where} sent no heartbeat for {now - changed:.1f} s "
                         f"(--elastic-heartbeat-timeout {self.timeout:g})"

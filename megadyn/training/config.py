@@ -158,10 +158,12 @@ class ElasticConfig:
     instead of importing again (megadyn/launch/fork_server.py); --no-elastic-fork-server
     turns it off."""
     recovery: str = "in-process"
-    """What a SIGTERM to a worker (a preemption notice) does in elastic mode: 'in-process' drains
-    it at the next step boundary as a live scale-in (a standby process takes its place when one
-    waits) and the process exits 0; 'restart' ends it, as without elastic mode, and torchrun
-    restarts the job. A kill -9 goes to the restart path either way (--elastic-recovery)."""
+    """What a failure does in elastic mode: 'in-process' drains a worker that gets SIGTERM (a
+    preemption notice) at the next step boundary as a live scale-in (a standby process takes
+    its place when one waits) and it exits 0; under `python -m megadyn.launch` the survivors of
+    a worker that dies or hangs recover in the same processes (megadyn/elastic/recovery.py).
+    'restart' ends the worker, as without elastic mode, and torchrun restarts the job
+    (--elastic-recovery)."""
     exit_signal_handler: bool = False
     """On SIGTERM that is not drained, save a checkpoint (with --save) at the next step boundary
     and exit 0, as Megatron-LM does; without it SIGTERM ends the process (--exit-signal-handler)."""

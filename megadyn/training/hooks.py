@@ -26,6 +26,9 @@ class StepHook:
     def new_layout(self, trainer) -> None:
         """The trainer is (re)built for new groups: drop what belonged to the old ones."""
 
+    def abandon(self, trainer) -> None:
+        """A peer died: forget what uses the old groups, without waiting on anyone."""
+
     def end(self, trainer) -> None:
         """The last step is done (the parameters are gathered, checkpoints may still write)."""
 

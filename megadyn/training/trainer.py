@@ -68,6 +68,8 @@ class Trainer:
         self.train_iters = cfg.training.train_iters
         self.hooks = as_hooks(hooks)  # in this order at every step boundary
         self.loss_by_iteration: dict[int, float] = {}
+        self.updating = False  # inside the optimizer's update (recovery.py reads it)
+        self.step_done = None  # CUDA: an event recorded after the last step's work
         self.step_seconds: float | None = None  # measured at the last log line
         self.draws: list[
             tuple[int, int, int, int]
@@ -172,6 +174,10 @@ class Trainer:
             self.state = dataclasses.replace(ts.progress)
             self.scheduler.load_state_dict(ts.scheduler, strict=False)
             self.train_loader.consumed_samples = self.state.consumed_samples
+            # a recovery may go back: what this rank drew and logged after it is undone
+            self.draws = [d for d in self.draws if d[0] < self.state.consumed_samples]
+            for it in [i for i in self.loss_by_iteration if i > self.state.iteration]:
+                del self.loss_by_iteration[it]
         if optimizer:
             self.optimizer.step_count = ts.optimizer_step
             scaler = self.optimizer.grad_scaler
@@ -199,6 +205,7 @@ class Trainer:
 
     def rebuild(self, groups, training: dict) -> None:
         self.state = TrainingState.from_dict(training).progress  # the loaders start there
+        self.updating = False
         self.build(groups, init_weights=False)
 
     def take(self, tensors: dict[str, torch.Tensor], training: dict) -> None:
@@ -236,9 +243,26 @@ class Trainer:
     def release(self) -> None:
         """Drop the layout-dependent parts (this process leaves the layout)."""
         self.drop_cuda_graph()
-        for d in self.ddp:
+        for d in self.ddp or ():
             d.remove_hooks()
         self.chunks = self.ddp = self.optimizer = self.train_loader = None
+        self.tracker = self.pipeline_cfg = self.loss_fn = self.cuda_graph = None
+        self.scheduler.bind(None)  # it drove the optimizer, which holds groups
+
+    @property
+    def built(self) -> bool:
+        """It holds a layout's model and optimizer (not `release`d)."""
+        return self.chunks is not None
+
+    def salvage(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """A peer died: this rank's tensors of training state, read without communication,
+        and whether they are those of `iteration` (False when a step stopped inside the
+        optimizer's update); then everything that refers to the old groups goes (`release`)."""
+        tensors = export_tensors(self.chunks, self.optimizer, self.cfg.optimizer)
+        for hook in self.hooks:  # e.g. a snapshot being written over the old groups
+            hook.abandon(self)
+        self.release()
+        return tensors, not self.updating
 
     @property
     def logs(self) -> bool:
@@ -279,6 +303,7 @@ class Trainer:
             self.draws.append((consumed, g.dp_rank, g.dp_size, n))
         self.zero_grads()
         losses = self.gradients(self.train_loader, n)
+        self.updating = True  # until the step is counted: the tensors are between two steps
         applied, grad_norm, _ = self.optimizer.step()
         if applied:
             self.scheduler.step(1)
@@ -291,6 +316,10 @@ class Trainer:
         assert self.train_loader.consumed_samples == self.state.consumed_samples, (
             "data cursor drifted"
         )
+        self.updating = False
+        if self.device.type == "cuda":  # when the device is done with this step's work
+            self.step_done = torch.cuda.Event()
+            self.step_done.record()
         return self._mean_loss(losses), applied, grad_norm
 
     def _mean_loss(self, losses) -> torch.Tensor | None:

@@ -1,0 +1,140 @@
+"""How the survivors of a failure agree, through a store that outlives every worker.
+
+    feed.dead()                              # {rank: when}: the failures recorded so far
+    round = Round(store, dead)               # one key space per set of dead ranks
+    round.report(Report(...))                # every survivor, once per round
+    reports = round.wait_reports(expected, feed, timeout_s)   # None: more died, start over
+    round.decide(decision) / round.wait_decision(feed, timeout_s)
+
+The control store lives on rank 0, which may be the process that died, so the agreement runs
+in the store of torchrun's agent (the runtime hands it over in the `FailureFeed`), in keys of
+its own: `recovery/<dead ranks>/report/<rank>` and `recovery/<dead ranks>/decision`. A round
+is named by the sorted set of dead ranks: survivors that saw different sets (a second failure
+recorded while the first is handled) meet in the round of the larger set, since every wait
+also watches the failure records and starts over when they grow. A survivor that never
+reports (it died unrecorded, or hangs) ends the wait after `timeout_s` with a RecoveryError.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+
+class RecoveryError(RuntimeError):
+    """The survivors cannot go on in-process; the message says why (the job then takes the
+    restart path)."""
+
+
+class PeerFailed(Exception):
+    """A process of the job died or hung: the survivors recover (raised where this process
+    waits on others outside a collective: a step boundary, a standby poll)."""
+
+
+class FailureFeed(Protocol):
+    """The runtime's view of failures (megadyn/launch/failure_watch.py)."""
+
+    store: object
+    """A store that outlives every worker (the agent's), for the agreement."""
+    timeout_s: float
+    """How long a survivor waits for the others to report before giving up."""
+    device_done: int | None
+    """Where the runtime aborted device communicators (NCCL): the last step whose device work
+    had finished before it did (None: nothing was aborted). A collective cut short by an abort
+    does not raise, so the steps after it may have gone on with partial results."""
+
+    def dead(self) -> dict[int, float]:
+        """Ranks recorded dead so far, with the wall time their failure was seen."""
+        ...
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one survivor says about itself."""
+
+    rank: int
+    member: bool
+    """It trained under the old layout (else it waited as standby)."""
+    iteration: int | None = None
+    """The step its tensors are at (None: standby, or stopped inside an update)."""
+    training: dict | None = None
+    """Its TrainingState JSON at `iteration`."""
+    layout: dict | None = None
+    members: list[int] = field(default_factory=list)
+    group_count: int = 0
+    """How many process groups it has drawn names for (sequential names must agree)."""
+    host: str = ""
+    """Its host name (where the control store goes when its host died)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text) -> Report:
+        return cls(**json.loads(text))
+
+
+def _poll(ready, feed: FailureFeed, seen: set[int], timeout_s: float, what: str):
+    """Poll `ready()` until it returns a value; None when more failures were recorded than
+    `seen`; RecoveryError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        value = ready()
+        if value is not None:
+            return value
+        if set(feed.dead()) - seen:
+            return None
+        if time.monotonic() > deadline:
+            raise RecoveryError(f"{what} did not come within {timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(0.05, delay * 2)
+
+
+class Round:
+    """The keys of one round of agreement: the failure of the ranks in `dead`."""
+
+    def __init__(self, store, dead: set[int]):
+        self.dead = set(dead)
+        name = "-".join(map(str, sorted(dead)))
+        self.store, self.prefix = store, f"recovery/{name}/"
+
+    def report(self, report: Report) -> None:
+        self.store.set(f"{self.prefix}report/{report.rank}", report.to_json())
+
+    def wait_reports(
+        self, expected: list[int], feed: FailureFeed, timeout_s: float
+    ) -> dict[int, Report] | None:
+        """Every expected survivor's report; None when another failure was recorded."""
+        keys = [f"{self.prefix}report/{r}" for r in expected]
+
+        def ready():
+            if not self.store.check(keys):
+                return None
+            return {r: Report.from_json(v) for r, v in zip(expected, self.store.multi_get(keys))}
+
+        missing = lambda: [r for r, k in zip(expected, keys) if not self.store.check([k])]  # noqa: E731
+        try:
+            return _poll(ready, feed, self.dead, timeout_s, "the survivors' reports")
+        except RecoveryError as e:
+            raise RecoveryError(f"{e} (no report from rank(s) {missing()})") from None
+
+    def decide(self, decision: dict) -> None:
+        self.store.set(f"{self.prefix}decision", json.dumps(decision))
+
+    def wait_decision(self, feed: FailureFeed, timeout_s: float) -> dict | None:
+        key = f"{self.prefix}decision"
+
+        def ready():
+            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+        return _poll(ready, feed, self.dead, timeout_s, "the recovery decision")
+
+    def publish(self, name: str, value: bytes) -> None:
+        self.store.set(f"{self.prefix}{name}", value)
+
+    def read(self, name: str) -> bytes | None:
+        key = f"{self.prefix}{name}"
+        return self.store.get(key) if self.store.check([key]) else None

@@ -1,0 +1,127 @@
+"""Watch the agent's failure records from a thread: the survivors' first sign of a dead peer.
+
+    watch = FailureWatch.start(timeout_s=60, abort_nccl=True)   # under megadyn.launch
+    watch.trainer = trainer                   # the runtime, whenever its trainer changes
+    watch.dead()            # {rank: time the agent saw it gone}, as the thread last read it
+    watch.stop()
+
+Under `python -m megadyn.launch` (survivors kept, MEGADYN_KEEP_SURVIVORS=1), the agent records
+a worker that died in the attempt's key space of its store (failures.py: `failed/<rank>` and
+the counter `failed/count`). A collective with a dead peer raises on gloo only in that peer's
+direct neighbours, and on NCCL not at all until a timeout, so every process watches the
+counter, with its own client of the store, every `interval` seconds. When the set grows, on
+NCCL (`abort_nccl`) the thread notes the last step whose device work had finished
+(`device_done`: the steps after it may have used a collective cut short, which does not raise)
+and aborts the communicators, which ends the collectives waiting on the dead rank; then it
+runs `on_failure(dead)`. The elastic controller reads `dead()` at its step boundaries and
+polls, and its recovery agrees in `store` (megadyn/elastic/agreement.py).
+
+Starting the watch declares that this attempt's workers recover in-process
+(`failures.declare_recovering`): from then on the agent keeps the survivors running.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megadyn.launch import failures, torchrun_env
+from megadyn.launch.distributed_init import agent_store, attempt_prefix
+
+
+class FailureWatch:
+    """The failure records of this attempt, read by a daemon thread (a `FailureFeed`)."""
+
+    def __init__(
+        self,
+        store,
+        world: int,
+        timeout_s: float,
+        interval: float,
+        on_failure=None,
+        abort_nccl: bool = False,
+    ):
+        self.store, self.world, self.timeout_s = store, world, timeout_s
+        self.interval, self.on_failure, self.abort_nccl = interval, on_failure, abort_nccl
+        self.trainer = None  # the runtime's current trainer (its last step's CUDA event)
+        self.device_done: int | None = None  # set when the NCCL communicators are aborted
+        self._dead: dict[int, float] = {}
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megadyn-failures", daemon=True)
+        # the agreement's client: the thread keeps one of its own
+        self._reader = dist.PrefixStore(
+            attempt_prefix(torchrun_env.current().restart_count or 0),
+            agent_store(timedelta(seconds=30)),
+        )
+
+    @classmethod
+    def start(
+        cls, timeout_s: float, interval: float = 0.05, on_failure=None, abort_nccl: bool = False
+    ) -> FailureWatch | None:
+        """Declare in-process recovery and start watching; None unless the launcher keeps
+        survivors (plain torchrun stops every worker when one fails). With `abort_nccl` a
+        failure aborts the NCCL communicators (`abort_nccl_groups`), after noting the last
+        step of `trainer` whose device work had finished (`device_done`)."""
+        env = torchrun_env.current()
+        if env.restart_count is None or not env.keep_survivors:
+            return None
+        store = dist.PrefixStore(
+            attempt_prefix(env.restart_count), agent_store(timedelta(seconds=60))
+        )
+        watch = cls(store, dist.get_world_size(), timeout_s, interval, on_failure, abort_nccl)
+        failures.declare_recovering(store)
+        watch._thread.start()
+        return watch
+
+    def dead(self) -> dict[int, float]:
+        return dict(self._dead)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                count = self._reader.add(failures.COUNT_KEY, 0)
+                if count <= self._seen:
+                    continue
+                records = failures.read(self._reader, self.world)
+            except Exception:  # noqa: BLE001 - the store did not answer this time
+                continue
+            self._seen = count
+            new = {r: f.time for r, f in records.items() if r not in self._dead}
+            if not new:
+                continue
+            if self.abort_nccl:
+                self.device_done = self._device_done()
+                abort_nccl_groups()
+            self._dead.update(new)
+            if self.on_failure is not None:
+                self.on_failure(set(new))
+
+    def _device_done(self) -> int:
+        """The last step of the current trainer whose device work has finished."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        iteration, done = trainer.iteration, trainer.step_done
+        return iteration if done is None or done.query() else iteration - 1
+
+
+def abort_nccl_groups() -> None:
+    """On NCCL a collective that waits on a dead rank does not return: abort the communicator
+    of every group but the default one (the recovery destroys them all and builds new ones).
+    Run with TORCH_NCCL_ASYNC_ERROR_HANDLING=0, so that NCCL's watchdog leaves the process up."""
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is default or dist.get_backend(group) != "nccl":
+            continue
+        try:
+            c10d._abort_process_group(group)
+        except Exception:  # noqa: BLE001 - destroyed meanwhile by the main thread
+            pass

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a GPU machine (2 GPUs): the 1.42B reference model at dp 2, bf16, under
+# `python -m megadyn.launch --max-restarts 0` in elastic mode (--elastic-recovery in-process);
+# one worker is killed (SIGKILL) after iteration 12 and tools/bench_recovery.py --in-process
+# times kill -> next completed step, in the same processes. Two runs:
+#   replicas   without the distributed optimizer: the survivor holds every piece (dp 2 -> dp 1)
+#   snapshot   with it (the reference model's flags): the dead rank's optimizer shard has no
+#              replica, so the survivor loads the newest in-memory snapshot (every 5 steps)
+# Usage: bash scripts/gpu/recovery_in_process.sh OUTDIR   (RUNS="replicas snapshot" by default)
+set -uo pipefail
+OUT=${1:-/tmp/megadyn_recovery_in_process}; mkdir -p "$OUT"
+# NCCL's watchdog must leave a process whose communicators the recovery aborts up
+export NCCL_NVLS_ENABLE=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=0 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source scripts/gpu/reference_model.sh
+COMMON=(--train-iters 20 --log-interval 1 --elastic-control-port 29600 --elastic-heartbeat-timeout 30)
+for run in ${RUNS:-replicas snapshot}; do
+  if [ "$run" = replicas ]; then
+    FLAGS=(); for f in "${REFERENCE_MODEL[@]}"; do [ "$f" = --use-distributed-optimizer ] || FLAGS+=("$f"); done
+    EXTRA=()
+  else
+    FLAGS=("${REFERENCE_MODEL[@]}")
+    EXTRA=(--elastic-snapshot-interval 5 --elastic-snapshot-dir /dev/shm/megadyn_rip --after-snapshot 10)
+    rm -rf /dev/shm/megadyn_rip
+  fi
+  SNAP=(); ARGS=("${FLAGS[@]}" "${COMMON[@]}")
+  if [ "$run" = snapshot ]; then ARGS+=("${EXTRA[@]:0:4}"); SNAP=("${EXTRA[@]:4}"); fi
+  timeout "${RUN_TIMEOUT:-170}" python3 tools/bench_recovery.py --in-process --nproc 2 --kill-after 12 "${SNAP[@]}" \
+    --log "$OUT/$run.log" -- "${ARGS[@]}" | tee "$OUT/$run.json"
+  grep -E "event: failure|cannot recover|Error" "$OUT/$run.log" | head -5
+done

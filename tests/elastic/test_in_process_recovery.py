@@ -1,0 +1,203 @@
+"""The survivors of a killed or hung worker recover in-process (megadyn/elastic/recovery.py).
+
+Real `python -m megadyn.launch --max-restarts 0` jobs of pretrain_gpt.py (through
+tests/elastic/recover_worker.py, which records each step's samples) on gloo, elastic mode:
+
+    5 processes, tp2 x dp2 and one standby   kill -9 of rank 1: the standby process takes its
+                                             place in the same layout; then SIGSTOP of rank 2:
+                                             its watchers kill it after the heartbeat timeout
+                                             and the 3 survivors train under the planner's
+                                             3-process layout
+    2 processes, dp2                         kill -9 of rank 0 (it hosts the control store):
+                                             dp 1 from rank 1's replica; rank 1 hosts the
+                                             control store anew
+    2 processes, dp2, distributed optimizer  kill -9 of rank 1: with 2 optimizer instances its
+                                             shard has a replica on rank 0; with 1 it has none
+                                             and the survivor loads the newest in-memory
+                                             snapshot, in the same process; with no snapshot
+                                             it says why and exits (the restart path)
+    3 processes, dp3                         kill -9 of rank 2, then of rank 1 while the
+                                             first failure is handled: the last one goes on
+
+Each job exits 0 after training to the end; every logged loss equals an uninterrupted run's
+within 1e-5 (an interrupted step is logged twice, each time with the same loss), and every
+sample of every iteration is drawn once by the replicas that finished it last.
+"""
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from recovery_helpers import LINE, rank_of, run_torchrun, workers_of
+
+from megadyn.testing import free_port, run_pretrain, spawn
+
+TINY = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 12 "
+    "--lr 1e-3 --lr-decay-style constant --hidden-dropout 0 --attention-dropout 0 --seed 7 "
+    "--log-interval 1 --eval-interval 0 --num-workers 0"
+).split()
+ITERS = 14
+GBS = 12
+RECOVERED = re.compile(
+    r"elastic: epoch: \d+ \| event: failure \| iteration: (\d+) \| old: (\S+) \| new: (\S+) \| "
+    r"left: ([\d,]+) \| repeated: (\d+) \| from: ([a-z -]+) \|.* first_step_s: ([\d.]+) \| "
+    r"total_s: ([\d.]+)"
+)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(ITERS)],))[0]
+
+
+def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, str, float]]):
+    """Run one job; `signals`: (rank, at iteration, signal name, delay in s) sent in turn, each
+    once the log shows that iteration and every earlier signal's recovery (a delay > 0: that
+    many seconds after the signal before it, without waiting for its recovery)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "megadyn.launch", "--nproc-per-node", str(nproc),
+           "--max-restarts", "0", "--master-port", str(free_port()),
+           "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
+           "--elastic-control-port", str(free_port()), *flags]  # fmt: skip
+    state = {"iteration": 0, "recoveries": 0, "sent": [], "next": 0}
+
+    def send(agents, rank: int, name: str) -> None:
+        pid = next(p for p in workers_of(agents[0].pid) if rank_of(p) == rank)
+        os.kill(pid, getattr(signal, name))
+        state["sent"].append((rank, name, state["iteration"]))
+
+    def on_line(line, agents):
+        m = LINE.search(line)
+        state["iteration"] = int(m.group(1)) if m else state["iteration"]
+        state["recoveries"] += bool(RECOVERED.search(line))
+        n = state["next"]
+        if n < len(signals) and state["recoveries"] >= n and state["iteration"] >= signals[n][1]:
+            send(agents, signals[n][0], signals[n][2])
+            state["next"] += 1
+            for rank, _, name, delay in signals[n + 1 :]:
+                if not delay:
+                    break
+                threading.Timer(delay, send, (agents, rank, name)).start()
+                state["next"] += 1
+
+    env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(Path(__file__).parents[2])}
+    (code,), log = run_torchrun([cmd], on_line, env=env, deadline_s=150)
+    print(log)
+    assert len(state["sent"]) == len(signals), state
+    return code, log, out
+
+
+def check_losses(log: str, reference: list[float], most_repeated: int = 1) -> None:
+    """Every logged loss matches the uninterrupted run; every iteration is logged, at most
+    `most_repeated` of them more than once."""
+    logged = defaultdict(list)
+    for it, loss in LINE.findall(log):
+        logged[int(it)].append(float(loss))
+    assert sorted(logged) == list(range(1, ITERS + 1)), sorted(logged)
+    for it, losses in logged.items():
+        for loss in losses:
+            want = reference[it - 1]
+            assert abs(loss - want) <= 1e-5 * abs(want), (it, loss, want)
+    assert sum(len(v) > 1 for v in logged.values()) <= most_repeated, dict(logged)
+
+
+def check_samples(out: Path) -> None:
+    """For each iteration, the replicas that ran it last drew each of its samples once."""
+    runs = defaultdict(list)  # iteration -> (time, members, samples) of every replica's step
+    for path in out.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            step = json.loads(line)
+            runs[step["it"]].append((step["t"], step["members"], step["samples"]))
+    assert sorted(runs) == list(range(1, ITERS + 1)), sorted(runs)
+    for it, steps in runs.items():
+        last = max(steps)[1]  # a step run again after a recovery ran under other members
+        drawn = sorted(i for _, members, samples in steps if members == last for i in samples)
+        assert drawn == list(range(GBS * (it - 1), GBS * it)), (it, drawn)
+
+
+def recoveries(log: str) -> list[tuple]:
+    return RECOVERED.findall(log)
+
+
+def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
+    flags = ["--tensor-model-parallel-size", "2", "--elastic-initial-members", "4",
+             "--elastic-heartbeat-timeout", "3"]  # fmt: skip
+    code, log, out = job(tmp_path, 5, flags, [(1, 3, "SIGKILL", 0), (2, 7, "SIGSTOP", 0)])
+    assert code == 0, log[-3000:]
+    (first, second) = recoveries(log)
+    assert first[1:4] == ("tp2xpp1xdp2", "tp2xpp1xdp2", "1") and first[5] == "replicas"
+    assert second[1] == "tp2xpp1xdp2" and second[3] == "2" and second[5] == "replicas"
+    tp, pp, dp = map(int, re.match(r"tp(\d+)xpp(\d+)xdp(\d+)", second[2]).groups())
+    assert tp * pp * dp == 3, second  # the planner's layout for the 3 survivors
+    assert "sent no heartbeat" in log and "killed it (same host)" in log, log[-3000:]
+    check_losses(log, reference, most_repeated=2)
+    check_samples(out)
+
+
+@pytest.mark.parametrize(
+    "flags, victim",
+    [
+        ([], 0),  # rank 0, which hosts the control store
+        (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 1),
+    ],
+    ids=["replicated-weights-rank0", "replicated-optimizer-shards"],
+)
+def test_dp2_to_dp1_from_the_replica(tmp_path, reference, flags, victim):
+    code, log, out = job(tmp_path, 2, flags, [(victim, 4, "SIGKILL", 0)])
+    assert code == 0, log[-3000:]
+    ((it, old, new, left, repeated, source, *_),) = recoveries(log)
+    assert (old.split("+")[0], new, left, source) == (
+        "tp1xpp1xdp2",
+        "tp1xpp1xdp1",
+        str(victim),
+        "replicas",
+    )
+    if victim == 0:
+        assert "elastic: rank 1 (" in log and "now hosts the control store" in log, log[-3000:]
+    check_losses(log, reference)
+    check_samples(out)
+
+
+def test_no_replica_of_an_optimizer_shard_falls_back_to_the_snapshot(tmp_path, reference):
+    flags = ["--use-distributed-optimizer", "--elastic-snapshot-interval", "3",
+             "--elastic-snapshot-dir", str(tmp_path / "snapshots")]  # fmt: skip
+    code, log, out = job(tmp_path, 2, flags, [(1, 8, "SIGKILL", 0)])
+    assert code == 0, log[-3000:]
+    ((it, old, new, left, repeated, source, *_),) = recoveries(log)
+    assert (old, new, left, source) == ("tp1xpp1xdp2", "tp1xpp1xdp1", "1", "in-memory snapshot")
+    assert "recovery: resuming from the in-memory snapshot" in log, log[-3000:]
+    check_losses(log, reference, most_repeated=ITERS)
+    check_samples(out)
+
+
+def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
+    # rank 1 dies 0.3 s after rank 2: while the survivors handle the first failure (or just
+    # after); the last process trains on alone
+    code, log, out = job(tmp_path, 3, [], [(2, 4, "SIGKILL", 0), (1, 4, "SIGKILL", 0.3)])
+    assert code == 0, log[-3000:]
+    found = recoveries(log)
+    assert found and found[-1][2] == "tp1xpp1xdp1", found
+    assert sorted(",".join(r[3] for r in found).split(",")) == ["1", "2"], found
+    check_losses(log, reference, most_repeated=2)
+    check_samples(out)
+
+
+def test_no_replica_and_no_snapshot_take_the_restart_path(tmp_path):
+    # the dead rank's optimizer shard is nowhere else and no snapshot was taken: one line says
+    # so, the survivor exits and torchrun's path follows (no restarts left: the job fails)
+    code, log, _ = job(tmp_path, 2, ["--use-distributed-optimizer"], [(1, 4, "SIGKILL", 0)])
+    assert code != 0, log[-3000:]
+    line = "elastic: the survivors of rank(s) [1] cannot recover in-process: no survivor holds a replica"
+    assert log.count(line) == 1, log[-3000:]
+    assert "and no in-memory snapshot to load; exiting so that torchrun's restart path runs" in log
+    assert "megadyn.launch: the survivors failed too (rank 0" in log, log[-3000:]

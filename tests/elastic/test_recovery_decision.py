@@ -1,0 +1,126 @@
+"""The survivors' decision after a failure (pure: reports in, decision out; no processes):
+a standby process takes the dead member's place; without one the survivors go on under the
+layout for their count; the oldest step every survivor reached is chosen, and only survivors
+at that step are read from (`restrict`); where no survivor holds a piece (the distributed
+optimizer's shard of the dead rank, dp 1) the decision says what is missing, and the recovery
+falls back to a snapshot. A survivor's tensors are those of its step unless the step stopped
+inside the optimizer's update, or ran past the last one the device had finished when the NCCL
+communicators were aborted."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from megadyn.core.layout import Layout
+from megadyn.elastic.agreement import Report
+from megadyn.elastic.controller import distopt_of
+from megadyn.elastic.planner import PlanError
+from megadyn.elastic.recovery import abort, decide, recovery_plan
+from megadyn.training.arguments import parse_args
+
+TINY = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --mock-data --tokenizer-type NullTokenizer --vocab-size 60 "
+    "--micro-batch-size 1 --global-batch-size 12 --train-iters 10 --lr 1e-3"
+).split()
+
+
+def setup(layout: Layout, members, *flags: str):
+    cfg = parse_args(TINY + list(flags), world_size=layout.world_size)
+    controller = SimpleNamespace(cfg=cfg, distopt_of=lambda lay: distopt_of(cfg, lay))
+    groups = SimpleNamespace(
+        layout=layout, grid=SimpleNamespace(members=tuple(members)), backend="gloo"
+    )
+    return cfg, controller, groups
+
+
+def reports(layout: Layout, members, iterations: dict[int, int | None], standby=()):
+    """Reports of surviving members (rank -> the step its tensors are at) and standby ranks."""
+    out = {
+        r: Report(
+            r,
+            True,
+            it,
+            {"state": {"iteration": it}},
+            dataclasses.asdict(layout),
+            list(members),
+            group_count=10 + r,
+        )  # fmt: skip
+        for r, it in iterations.items()
+    }
+    out.update({r: Report(r, False, group_count=7) for r in standby})
+    return out
+
+
+def test_a_standby_process_takes_the_dead_members_place():
+    tp2dp2 = Layout(tp=2, pp=1, dp=2)
+    cfg, controller, groups = setup(tp2dp2, range(4))
+    seen = reports(tp2dp2, range(4), {0: 5, 2: 5, 3: 5}, standby=[4])
+    d = decide(controller, cfg.model, groups, seen, dead={1})
+    # (members ascend within a pipeline stage, as torch numbers group ranks)
+    assert Layout(**d["layout"]) == tp2dp2 and d["members"] == [0, 2, 3, 4]
+    assert (d["iteration"], d["sources"], d["group_count"]) == (5, [0, 2, 3], 13)
+
+
+def test_without_standby_the_survivors_take_the_layout_for_their_count():
+    tp2dp2 = Layout(tp=2, pp=1, dp=2)
+    cfg, controller, groups = setup(tp2dp2, range(4))
+    d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
+    assert Layout(**d["layout"]).world_size == 3 and sorted(d["members"]) == [0, 1, 2]
+    assert d["sources"] == [0, 1, 2]
+
+
+def test_the_oldest_step_every_survivor_reached_and_only_its_holders():
+    # rank 2 finished step 6, rank 1 is at 5, rank 3 stopped inside an update: step 5 from
+    # rank 1 alone; then rank 1 is the only source of dp replica 0's pieces and of nothing else
+    dp4 = Layout(tp=1, pp=1, dp=4)
+    cfg, controller, groups = setup(dp4, range(4))
+    d = decide(controller, cfg.model, groups, reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
+    assert (d["iteration"], d["sources"], d["newest"]) == (5, [1], 6)
+    assert d["training"] == {"state": {"iteration": 5}}
+
+
+def test_a_dead_ranks_optimizer_shard_has_no_replica():
+    dp2 = Layout(tp=1, pp=1, dp=2)
+    cfg, controller, groups = setup(dp2, range(2), "--use-distributed-optimizer")
+    d = decide(controller, cfg.model, groups, reports(dp2, range(2), {0: 4}), {1})
+    assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
+    with pytest.raises(PlanError):
+        recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
+    # without it every piece of rank 1 is a data-parallel copy of rank 0's
+    cfg, controller, groups = setup(dp2, range(2))
+    plan = recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
+    assert plan.total_bytes == 0 and {t.src for t in plan.transfers} == {0}
+
+
+def test_no_layout_for_the_survivors_is_an_error():
+    tp2dp2 = Layout(tp=2, pp=1, dp=2)
+    cfg, controller, groups = setup(tp2dp2, range(4), "--elastic-min-members", "4")
+    d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
+    assert d["error"].startswith("no layout for the survivors: 3 members is below")
+
+
+def fake_trainer(iteration: int, clean: bool):
+    return SimpleNamespace(
+        built=True,
+        iteration=iteration,
+        model_cfg=None,
+        groups=SimpleNamespace(destroy=lambda: None),
+        rng_states=lambda: {},
+        training_state_dict=lambda: {"state": {"iteration": iteration}},
+        salvage=lambda: ({}, clean),
+    )
+
+
+@pytest.mark.parametrize(
+    "clean, device_done, step",
+    [
+        (True, None, 7),  # gloo: a collective with a dead peer raised before any update
+        (False, None, None),  # it stopped inside the optimizer's update
+        (True, 7, 7),  # NCCL: the device had finished step 7 before the abort
+        (True, 6, None),  # step 7 may have used a collective the abort cut short
+    ],
+)
+def test_the_step_a_survivors_tensors_are_at(clean, device_done, step):
+    assert abort(fake_trainer(7, clean), device_done).iteration == step
