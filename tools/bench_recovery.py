@@ -63,7 +63,7 @@ def main() -> None:
     )
     killed_at = back_at = last = resumed = None
     job_line, complete = None, 0
-    with open(a.log, "w") as log:
+    with open(a.log, "w", buffering=1) as log:  # line by line: a timeout keeps what came
         for line in job.stdout:  # after the kill, each line with the seconds since it
             log.write(
                 line if killed_at is None else f"[+{time.monotonic() - killed_at:.2f} s] {line}"
