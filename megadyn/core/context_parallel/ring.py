@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
+from megadyn.core.context_parallel.blocks import merge_into
 from megadyn.core.context_parallel.comm import RingExchange
+from megadyn.core.context_parallel.kernels import block_kernels
 
 
 def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, slice, bool]:
@@ -35,8 +36,9 @@ def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, sl
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, fused):
         ring = RingExchange(group)
+        block_forward, _ = block_kernels(q, fused)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         out = lse = None
@@ -47,8 +49,8 @@ class _RingAttention(torch.autograd.Function):
             block_out, block_lse = block_forward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale
             )
-            if out is None:
-                out, lse = block_out, block_lse  # [b, n, s, d], [b, n, s] in accumulation precision
+            if out is None:  # [b, n, s, d], [b, n, s] in accumulation precision
+                out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
             else:
                 merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < ring.size - 1:
@@ -56,13 +58,14 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.fused = group, scale, fused
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = RingExchange(ctx.group)
+        _, block_backward = block_kernels(q, ctx.fused)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -93,11 +96,14 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait(pending)
                 kv = incoming
         ring.wait(dkv_pending)  # after cp shifts: the gradients of this rank's keys and values
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, group, scale: float | None = None, fused: bool | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
-    keys and values k, v [b, g, s, d] are spread over `group` (the cp group)."""
+    keys and values k, v [b, g, s, d] are spread over `group` (the cp group). Each block runs
+    through kernels.py's fused kernels where they run (`fused` None), or as `fused` says."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale)
+    return _RingAttention.apply(q, k, v, group, scale, fused)
