@@ -82,16 +82,23 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
         if cfg.model.cp_comm_type != "p2p":
             raise ConfigError("--cp-comm-type applies to --context-parallel-size > 1")
         return
-    el, flag = cfg.elastic, "--context-parallel-size"
+    for other in context_parallel_conflicts(cfg):
+        raise ConfigError(
+            f"--context-parallel-size > 1 does not run with {other} yet: drop one of them"
+        )
+
+
+def context_parallel_conflicts(cfg: MegadynConfig) -> list[str]:
+    """The flags of this job that context parallelism does not run with yet (the layout
+    planner then considers cp 1 only)."""
+    el = cfg.elastic
     unsupported = {
         "--attention-dropout > 0": cfg.model.attention_dropout > 0,
         "--enable-cuda-graph": cfg.training.enable_cuda_graph,
         "--tp-comm-overlap": cfg.model.tp_comm_overlap,
         "--elastic-snapshot-interval": el.snapshot_interval > 0,
     }
-    for other, used in unsupported.items():
-        if used:
-            raise ConfigError(f"{flag} > 1 does not run with {other} yet: drop one of them")
+    return [flag for flag, used in unsupported.items() if used]
 
 
 def _validate_recompute(cfg: MegadynConfig, layout: Layout) -> None:
