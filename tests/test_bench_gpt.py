@@ -8,7 +8,7 @@ from megadyn.testing import spawn
 
 TINY = "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --mbs 2 --gbs 4".split()
 FIELDS = [
-    "framework", "tp", "pp", "vpp", "dp", "sp", "cuda_graph", "tp_comm_overlap",
+    "framework", "tp", "pp", "vpp", "dp", "sp", "cp", "cp_comm_type", "cuda_graph", "tp_comm_overlap",
     "tp_comm_overlap_transport", "gemm_sm_carveout", "attn", "attention_backend", "recompute",
     "layers", "hidden", "seq", "mbs", "gbs", "iter_s", "iters_s", "warmup_iter_s",
     "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib",
@@ -21,12 +21,12 @@ def _bench(rank, world, flags):
     return run_gpt_bench(parse_args(flags), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_record_has_the_reference_fields(tp):
-    flags = TINY + ["--tp", str(tp), "--iters", "2", "--warmup", "1"]
+@pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2)])
+def test_the_record_has_the_reference_fields(tp, cp):
+    flags = TINY + ["--tp", str(tp), "--cp", str(cp), "--iters", "2", "--warmup", "1"]
     first, second = spawn(_bench, world=2, args=(flags,))
     assert list(first) == FIELDS
-    assert (first["tp"], first["dp"], first["gbs"]) == (tp, 2 // tp, 4)
+    assert (first["tp"], first["cp"], first["dp"], first["gbs"]) == (tp, cp, 2 // (tp * cp), 4)
     assert len(first["iters_s"]) == 2 and len(first["warmup_iter_s"]) == 1
     assert first["tokens_per_s_per_gpu"] > 0
     assert first["peak_mem_gib"] == second["peak_mem_gib"] == 0.0  # no CUDA memory on CPU
