@@ -6,14 +6,16 @@ from megadyn.bench.cp_compare import parse, plan, row_args, summarize
 
 
 def test_rows_alternate_their_order_and_extras_run_last():
-    c = parse("--seqs 8 16 --rows cp2 tp2 --rounds 2 --extra cp2@64:full --layers 2".split())
+    flags = "--seqs 8 16 --rows cp2 tp2 --rounds 2 --extra cp2@64:full --recompute-from 16"
+    c = parse(flags.split() + ["--layers", "2"])
     assert plan(c) == [
-        (0, "cp2", 8, "none"), (0, "tp2", 8, "none"), (0, "cp2", 16, "none"), (0, "tp2", 16, "none"),
-        (1, "tp2", 8, "none"), (1, "cp2", 8, "none"), (1, "tp2", 16, "none"), (1, "cp2", 16, "none"),
+        (0, "cp2", 8, "none"), (0, "tp2", 8, "none"), (0, "cp2", 16, "full"), (0, "tp2", 16, "full"),
+        (1, "tp2", 8, "none"), (1, "cp2", 8, "none"), (1, "tp2", 16, "full"), (1, "cp2", 16, "full"),
         (-1, "cp2", 64, "full"),
     ]  # fmt: skip
     a = row_args("cp2", 8192, c, "full")
     assert (a.cp, a.tp, a.seq, a.mbs, a.gbs, a.layers, a.recompute) == (2, 1, 8192, 1, 4, 2, "full")
+    assert a.no_grad_accumulation_fusion  # recomputation's saved weights lack `main_grad`
 
 
 def test_summary_medians_and_per_round_ratios(tmp_path):

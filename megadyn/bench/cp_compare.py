@@ -9,9 +9,11 @@ Every row trains the reference GPT (megadyn/bench/gpt.py's shape) for `--warmup`
 steps of `--tokens` tokens (micro batch 1, global batch tokens / seq) and appends its record
 to `--out`. Rows run in turn at each length, their order reversed every other round, so a
 slow phase of the machine does not fall on one row. `--extra ROW@SEQ[:full]` runs once after
-the rounds (the longest lengths; `:full` recomputes every layer). Other flags go to gpt.py (`--layers 2 --hidden 64`). A row that would not end
-within `--budget-s` is skipped and recorded as such; one that runs out of memory is recorded
-as `oom`, one that fails alike on every rank with its error.
+the rounds (the longest lengths; `:full` recomputes every layer); `--recompute-from SEQ` makes
+the rounds' runs at SEQ and longer recompute every layer. Other flags go to gpt.py (`--layers 2 --hidden 64`). A row that would not end
+within `--budget-s` is skipped and recorded as such; one that fails alike on every rank is
+recorded with its error; one that runs out of memory is recorded as `oom` and ends the runs
+(what it leaves behind spoiled or hung the runs after it on GPUs).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--extra", nargs="*", default=[], help="ROW@SEQ[:full], once, after the rounds")
+    p.add_argument(
+        "--recompute-from",
+        type=int,
+        default=None,
+        help="rows of the rounds at this length and longer recompute every layer",
+    )
     p.add_argument("--budget-s", type=float, default=1e9, help="skip runs that would end later")
     p.add_argument("--summarize", help="print the markdown table of this JSON-lines file")
     c, c.model_flags = p.parse_known_args(argv)  # the rest: gpt.py's flags (--layers, ...)
@@ -83,7 +91,9 @@ def plan(c: argparse.Namespace) -> list[tuple[int, str, int, str]]:
     runs = []
     for r in range(c.rounds):
         order = c.rows if r % 2 == 0 else c.rows[::-1]
-        runs += [(r, row, seq, "none") for seq in c.seqs for row in order]
+        for seq in c.seqs:
+            full = c.recompute_from is not None and seq >= c.recompute_from
+            runs += [(r, row, seq, "full" if full else "none") for row in order]
     for spec in c.extra:
         row, rest = spec.split("@")
         seq, _, recompute = rest.partition(":")
@@ -109,6 +119,8 @@ def main(c: argparse.Namespace, device) -> None:
             if c.out:
                 with open(c.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+        if rec.get("oom"):  # what the failed run left behind (memory, half-used communicators)
+            return  # would spoil or hang the runs after it
 
 
 def summarize(path: str) -> str:

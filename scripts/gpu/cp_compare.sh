@@ -4,7 +4,8 @@
 # losses of cp2 against cp1.
 #   1. the ring's flash blocks against the whole attention on this GPU (tests/core/test_cp_kernels.py)
 #   2. tools/bench_cp_compare.py: ROWS at SEQS, ROUNDS rounds in alternating order, micro batch 1,
-#      TOKENS tokens per iteration; then EXTRA (the longest lengths, recomputation) while time is left
+#      TOKENS tokens per iteration, full recomputation from RECOMPUTE_FROM tokens; then EXTRA (the
+#      longest lengths) while time is left. A run out of memory ends step 2.
 #   3. pretrain_gpt.py, 8 layers, hidden 1024, seq 4096, 20 iterations: cp1 (1 GPU) vs cp2
 # Writes OUTDIR/cp.jsonl (records), cp.md (table), losses.txt and the logs.
 # Usage: BUDGET_S=330 bash scripts/gpu/cp_compare.sh OUTDIR
@@ -16,7 +17,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 BUDGET_S=${BUDGET_S:-330}; LOSS_S=${LOSS_S:-70}  # seconds for the whole script, for step 3
 SEQS=${SEQS:-"8192 16384 32768"}; ROWS=${ROWS:-"cp2 tp2 tp2_sp torch_cp2"}; ROUNDS=${ROUNDS:-2}
-TOKENS=${TOKENS:-32768}; EXTRA=${EXTRA:-"cp2@65536:full torch_cp2@65536:full tp2_sp@65536:full"}
+TOKENS=${TOKENS:-32768}; RECOMPUTE_FROM=${RECOMPUTE_FROM:-32768}  # 32k fits none of the rows without
+EXTRA=${EXTRA:-"cp2@65536:full torch_cp2@65536:full tp2_sp@65536:full"}  # (2 x H100, 2026-11-27)
 left() { echo $((BUDGET_S - SECONDS)); }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -26,7 +28,7 @@ rows_s=$(( $(left) - LOSS_S ))
 # shellcheck disable=SC2086
 timeout $((rows_s + 60)) torchrun --standalone --nproc-per-node 2 tools/bench_cp_compare.py \
   --out "$OUT/cp.jsonl" --seqs $SEQS --rows $ROWS --rounds "$ROUNDS" --tokens "$TOKENS" \
-  --iters 3 --warmup 1 --budget-s "$rows_s" --extra $EXTRA ${MODEL_FLAGS:-} > "$OUT/rows.log" 2>&1 \
+  --iters 3 --warmup 1 --budget-s "$rows_s" --recompute-from "$RECOMPUTE_FROM" --extra $EXTRA ${MODEL_FLAGS:-} > "$OUT/rows.log" 2>&1 \
   || { echo "rows: exit $? (see rows.log)"; grep -v '^{' "$OUT/rows.log" | tail -15; }
 python3 tools/bench_cp_compare.py --summarize "$OUT/cp.jsonl" | tee "$OUT/cp.md"
 
