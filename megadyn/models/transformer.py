@@ -110,7 +110,9 @@ class SelfAttention(nn.Module):
         if self.cp_group is not None:
             if p > 0.0:
                 raise ValueError("--attention-dropout must be 0 with --context-parallel-size > 1")
-            return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type)
+            return context_parallel_attention(
+                q, k, v, self.cp_group, self.cfg.cp_comm_type, backend=self.cfg.attention_backend
+            )
         gqa = self.groups != self.heads
         fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         with fork or contextlib.nullcontext(), attention_kernels(self.cfg.attention_backend, q):

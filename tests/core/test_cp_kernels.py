@@ -1,8 +1,9 @@
 """The ring's fused block kernels (megadyn/core/context_parallel/kernels.py) equal the math path
 of blocks.py: forward (output and log-sum-exp) and backward, causal and not, with grouped
-queries; and blocks computed apart, merged by their log-sum-exp and differentiated with the
-final output, give the whole attention and its gradients. On CPU torch's CPU flash kernels run
-in fp32 (within 1e-5); on a GPU the CUDA flash kernels in bf16 against fp32 math.
+queries; blocks computed apart, merged by their log-sum-exp and differentiated with the final
+output, give the whole attention and its gradients; the ring with them equals the math ring.
+On CPU torch's CPU flash kernels run in fp32 (within 1e-5); on a GPU the CUDA flash and cuDNN
+kernels in bf16 against torch's whole attention in fp32.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import torch.nn.functional as F
 from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
 from megadyn.core.context_parallel.kernels import (
     block_kernels,
+    cudnn_block_backward,
+    cudnn_block_forward,
     fused_block_backward,
     fused_block_forward,
+    kernel_for_backend,
 )
 from megadyn.testing.spawn import spawn
 
@@ -86,7 +90,7 @@ def whole_attention(q, k, v, dout):
 def test_fused_blocks_merge_into_the_whole_attention():
     q, k, v = qkv(16, 16, seed=1)
     dout = torch.randn(B, N, 16, D, generator=torch.Generator().manual_seed(2))
-    forward, backward = block_kernels(q, fused=True)
+    forward, backward = block_kernels(q, "flash")
     out, grads = blockwise_attention(q, k, v, forward, backward, dout, D**-0.5)
     ref_out, ref_grads = whole_attention(q, k, v, dout)
     assert max_rel(out, ref_out) < 1e-5
@@ -94,23 +98,44 @@ def test_fused_blocks_merge_into_the_whole_attention():
         assert max_rel(got, want) < 1e-5
 
 
-def test_cpu_and_fp32_default_to_the_math_path():
+def test_kernel_names_and_backends():
     q = torch.zeros(1, 1, 4, 8)
-    assert block_kernels(q) == (block_forward, block_backward)
+    assert block_kernels(q) == (block_forward, block_backward)  # CPU and fp32: the math path
+    assert block_kernels(q, "flash") == (fused_block_forward, fused_block_backward)
+    assert [kernel_for_backend(b) for b in ("auto", "flash", "fused", "unfused")] == [
+        None, "flash", "cudnn", "math",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--attention-backend fused"):
+        block_kernels(q, "cudnn")
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_cuda_kernel_calls_check_on_meta_tensors(kernel):
+    """The CUDA kernels' argument lists and shapes, through torch's meta kernels (no GPU)."""
+    forward, backward = {"flash": (fused_block_forward, fused_block_backward)}.get(
+        kernel, (cudnn_block_forward, cudnn_block_backward)
+    )
+    q, k, v = (t.to("meta", torch.bfloat16) for t in qkv(12, 16))
+    out, lse = forward(q, k, v, False, 0.5)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    grads = backward(torch.empty_like(out), q, k, v, out, lse, False, 0.5)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_flash_blocks_equal_math_on_gpu():
-    """bf16 flash blocks against the fp32 math path on the GPU, at the ring's head size."""
+@pytest.mark.parametrize("kernel", [None, "cudnn"])
+def test_cuda_blocks_equal_the_whole_attention_on_gpu(kernel):
+    """bf16 flash (the default on CUDA) and cuDNN blocks against torch's whole attention in
+    fp32 on the GPU, at the ring's head size."""
     d, s = 128, 256
     q, k, v = qkv(s, s, torch.bfloat16, "cuda", seed=3, d=d)
-    forward, backward = block_kernels(q)
-    assert forward is fused_block_forward
+    forward, backward = block_kernels(q, kernel)
+    assert kernel or forward is fused_block_forward
     dout = torch.randn(B, N, s, d, device="cuda", dtype=torch.bfloat16)
     out, grads = blockwise_attention(q, k, v, forward, backward, dout, d**-0.5)
     ref_out, ref_grads = whole_attention(q, k, v, dout)
     errors = [max_rel(out, ref_out)] + [max_rel(a, b) for a, b in zip(grads, ref_grads)]
-    print("flash blocks vs whole attention, bf16 (out, dq, dk, dv):", errors)
+    print(f"{kernel or 'flash'} blocks vs whole attention, bf16 (out, dq, dk, dv):", errors)
     assert max(errors) < 2e-2
 
 
@@ -124,9 +149,9 @@ def ring_body(rank: int, world: int) -> float:
     q, k, v = (split_sequence(t, rank, world, dim=2) for t in qkv(8 * world, 8 * world, seed=4))
     dout = torch.randn_like(q)
     results = []
-    for fused in (True, False):
+    for kernel in ("flash", "math"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*leaves, group=dist.group.WORLD, fused=fused)
+        out = ring_attention(*leaves, group=dist.group.WORLD, kernel=kernel)
         out.backward(dout)
         results.append([out.detach()] + [t.grad for t in leaves])
     return max(max_rel(a, b) for a, b in zip(*results, strict=True))

@@ -1,9 +1,9 @@
-"""The attention of one ring block through torch's fused flash-attention kernels, with the
+"""The attention of one ring block through torch's fused attention kernels, with the
 log-sum-exp that merges blocks; the same interface as blocks.py's math path:
 
     out, lse = fused_block_forward(q, k, v, causal, scale)     # out [b, n, sq, d], lse [b, n, sq]
     dq, dk, dv = fused_block_backward(dout, q, k, v, out_all, lse_all, causal, scale)
-    forward, backward = block_kernels(q)                         # fused where it runs, else math
+    forward, backward = block_kernels(q, "flash")              # "flash", "cudnn", "math"; None: auto
 
 q [b, n, sq, d] has n heads, k and v [b, g, sk, d] have g key/value heads (grouped queries are
 expanded to n heads for the kernel, and their gradients summed back). `causal` masks key j for
@@ -12,9 +12,11 @@ square blocks only). The backward takes the final output and log-sum-exp of the 
 every key block (the flash-attention identity, as in blocks.py), so the kernel's gradients of
 all blocks add up to those of the whole attention.
 
-On CUDA the kernels are torch's flash attention (16-bit inputs); on CPU torch's CPU flash
-kernels, which the tests compare with the math path. The output is in the input's dtype, the
-log-sum-exp in fp32; the caller merges blocks in fp32.
+"flash" is torch's flash attention on CUDA (16-bit inputs) and its CPU flash kernels on CPU,
+which the tests compare with the math path; "cudnn" is torch's cuDNN attention (CUDA only). The
+output is in the input's dtype, the log-sum-exp in fp32; the caller merges blocks in fp32.
+None picks flash for CUDA 16-bit blocks and the math path otherwise. `--attention-backend`
+chooses for the model (`kernel_for_backend`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def fused_block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tens
     [b, n, sq, d] (q's dtype) and log-sum-exp of the scaled scores [b, n, sq] (fp32)."""
     heads = q.shape[1]
     q, k, v = _rows(q), _rows(_expand(k, heads)), _rows(_expand(v, heads))
-    if q.is_cuda:
+    if q.device.type != "cpu":  # CUDA (and meta tensors, which check the call)
         res = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
     return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -56,7 +58,7 @@ def fused_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     heads, groups = q.shape[1], k.shape[1]
     q, dout, out, lse = _rows(q), _rows(dout.to(q.dtype)), _rows(out.to(q.dtype)), _rows(lse)
     k, v = _rows(_expand(k, heads)), _rows(_expand(v, heads))
-    if q.is_cuda:
+    if q.device.type != "cpu":  # CUDA (and meta tensors, which check the call)
         sq, sk = q.shape[2], k.shape[2]
         # no dropout: the kernel reads neither the random seed nor the offset
         seed = torch.empty(2, dtype=torch.uint64, device=q.device)
@@ -71,16 +73,51 @@ def fused_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, _reduce_heads(dk, groups), _reduce_heads(dv, groups)
 
 
-def fused_kernels_run(q: torch.Tensor) -> bool:
-    """Whether the fused kernels take blocks like `q`: CUDA in 16-bit (flash attention's head
-    sizes up to 256); CPU runs the math path unless asked for the fused one."""
-    return q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] <= 256
+def cudnn_block_forward(q, k, v, causal: bool, scale: float):
+    """`fused_block_forward` through torch's cuDNN attention (CUDA)."""
+    heads = q.shape[1]
+    q, k, v = _rows(q), _rows(_expand(k, heads)), _rows(_expand(v, heads))
+    res = _aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    return res[0], res[1].squeeze(-1)  # cuDNN's log-sum-exp is [b, n, sq, 1]
 
 
-def block_kernels(q: torch.Tensor, fused: bool | None = None):
-    """(forward, backward) for blocks like `q`: the fused kernels where they run (or where
-    `fused` asks for them), else blocks.py's math path."""
-    use_fused = fused_kernels_run(q) if fused is None else fused
-    if use_fused:
-        return fused_block_forward, fused_block_backward
-    return block_forward, block_backward
+def cudnn_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """`fused_block_backward` through torch's cuDNN attention (CUDA)."""
+    heads, groups = q.shape[1], k.shape[1]
+    q, dout, out = _rows(q), _rows(dout.to(q.dtype)), _rows(out.to(q.dtype))
+    k, v = _rows(_expand(k, heads)), _rows(_expand(v, heads))
+    lse = _rows(lse.unsqueeze(-1))
+    seed = offset = torch.empty((), dtype=torch.long, device=q.device)  # no dropout: unread
+    dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, None, None,
+        q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+    )  # fmt: skip
+    return dq, _reduce_heads(dk, groups), _reduce_heads(dv, groups)
+
+
+KERNELS = {
+    "flash": (fused_block_forward, fused_block_backward),
+    "cudnn": (cudnn_block_forward, cudnn_block_backward),
+    "math": (block_forward, block_backward),
+}
+"""Block kernels by name: (forward, backward)."""
+
+_BACKENDS = {"auto": None, "flash": "flash", "fused": "cudnn", "unfused": "math", "local": "math"}
+
+
+def kernel_for_backend(backend: str) -> str | None:
+    """The block kernel of `--attention-backend` (fused = cuDNN; auto: `block_kernels`' pick)."""
+    return _BACKENDS[backend]
+
+
+def block_kernels(q: torch.Tensor, kernel: str | None = None):
+    """(forward, backward) for blocks like `q`: `kernel` by name, or for None flash on CUDA in
+    16-bit (head sizes up to 256) and blocks.py's math path otherwise."""
+    if kernel is None:
+        flash = q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] <= 256
+        kernel = "flash" if flash else "math"
+    if kernel == "cudnn" and not q.is_cuda:
+        raise ValueError("the cuDNN block kernel needs CUDA (--attention-backend fused)")
+    return KERNELS[kernel]

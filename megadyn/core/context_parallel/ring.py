@@ -36,9 +36,9 @@ def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, sl
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, fused):
+    def forward(ctx, q, k, v, group, scale, kernel):
         ring = RingExchange(group)
-        block_forward, _ = block_kernels(q, fused)
+        block_forward, _ = block_kernels(q, kernel)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         out = lse = None
@@ -58,14 +58,14 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.fused = group, scale, fused
+        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = RingExchange(ctx.group)
-        _, block_backward = block_kernels(q, ctx.fused)
+        _, block_backward = block_kernels(q, ctx.kernel)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -100,10 +100,10 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    q, k, v, group, scale: float | None = None, fused: bool | None = None
+    q, k, v, group, scale: float | None = None, kernel: str | None = None
 ) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
     keys and values k, v [b, g, s, d] are spread over `group` (the cp group). Each block runs
-    through kernels.py's fused kernels where they run (`fused` None), or as `fused` says."""
+    through kernels.py's `kernel` ("flash", "cudnn", "math"; None: flash where it runs)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale, fused)
+    return _RingAttention.apply(q, k, v, group, scale, kernel)
