@@ -12,7 +12,8 @@ recomputation keeps only the layer inputs). The cost model follows the PTD-P pap
 compute time from the model FLOPs (their attention part grows with the square of the sequence),
 the pipeline bubble (pp - 1) / (vpp * m), tensor-parallel all-reduces per layer, context
 parallelism's ring of key/value exchanges (overlapped with the blockwise attention of each
-ring step, so only what the attention does not hide costs time) and the gradient reduction over
+ring step, so only what the attention does not hide costs time, and the last hop of the
+gradients) and the gradient reduction over
 dp x cp; its scale factors are fitted to measured step times.
 """
 
@@ -131,9 +132,10 @@ class CostModel:
     def ring_seconds_per_layer(self, cfg: GPTConfig, layout: Layout, mbs: int, seq: int) -> float:
         """Exposed time of one layer's ring exchanges for one micro batch (0 without cp). Each
         of the cp - 1 forward steps sends this rank's keys and values (bf16) to the next rank
-        while the attention of the step's block runs; the backward sends them again, and the
-        cp steps of their fp32 gradients travel one step behind. Only what the attention of a
-        step does not cover counts."""
+        while the attention of the step's block runs; the backward sends them again, and their
+        fp32 gradients travel one step behind: cp - 1 of those hops run beside a step's
+        attention, the last one, which brings a rank its own gradients, after all of it. What
+        the attention does not cover counts."""
         cp = layout.cp
         if cp == 1:
             return 0.0
@@ -143,8 +145,8 @@ class CostModel:
         per_step = attention_flops(cfg, mbs, seq) / 2 / cfg.num_layers / (layout.tp * cp * cp)
         step_time = per_step / (self.peak_flops * self.efficiency)
         fwd = (cp - 1) * max(0.0, 2 * kv / self.cp_bandwidth - step_time / 3)
-        bwd_bytes = (cp - 1) * 2 * kv + cp * 4 * kv
-        bwd = max(0.0, bwd_bytes / self.cp_bandwidth - cp * 2 * step_time / 3)
+        bwd_beside = (cp - 1) * (2 + 4) * kv / self.cp_bandwidth
+        bwd = max(0.0, bwd_beside - cp * 2 * step_time / 3) + 4 * kv / self.cp_bandwidth
         return fwd + bwd
 
     def calibrate(self, cfg: GPTConfig, gbs: int, seq: int, measured: list[tuple]) -> None:
