@@ -105,8 +105,6 @@ def plan_layout(
     size and recomputation (a scale request, and a restart whose world the job's layout does
     not fit); raises LayoutError when none fits. Context parallelism is considered unless the
     job uses a feature it does not run with; `gpu_memory_gib` None: the device's memory."""
-    from megadyn.training.validation import context_parallel_conflicts  # it imports this module
-
     t = cfg.training
     gpu = gpu_memory_gib or device_memory_gib(device_type) or 1e9
     return (
@@ -136,6 +134,19 @@ def validate_for(layout: Layout, model_cfg, cfg) -> None:
         global_batch_size=cfg.training.global_batch_size,
         micro_batch_size=cfg.training.micro_batch_size,
     )
+
+
+def context_parallel_conflicts(cfg) -> list[str]:
+    """The flags of this job that context parallelism does not run with yet: validation refuses
+    them with --context-parallel-size > 1, and the layout planner then considers cp 1 only."""
+    el = cfg.elastic
+    unsupported = {
+        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+        "--tp-comm-overlap": cfg.model.tp_comm_overlap,
+        "--elastic-snapshot-interval": el.snapshot_interval > 0,
+    }
+    return [flag for flag, used in unsupported.items() if used]
 
 
 def check_layout(layout: Layout, model_cfg, cfg) -> None:
