@@ -238,6 +238,8 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     res = record(a, layout.dp, world, times, warmup_times, mem.item())
     if graph is not None:
         graph.reset()  # before its communicators go (NCCL waits for graphs that use them)
+    for ddp in parts.ddp:  # the gradient hooks on the parameters would keep the whole job (its
+        ddp.remove_hooks()  # weights, buffers, optimizer) alive after this returns
     groups.destroy()
     return res
 
