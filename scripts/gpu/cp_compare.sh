@@ -17,8 +17,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 BUDGET_S=${BUDGET_S:-330}; LOSS_S=${LOSS_S:-70}  # seconds for the whole script, for step 3
 SEQS=${SEQS:-"8192 16384 32768"}; ROWS=${ROWS:-"cp2 tp2 tp2_sp torch_cp2"}; ROUNDS=${ROUNDS:-2}
-TOKENS=${TOKENS:-32768}; RECOMPUTE_FROM=${RECOMPUTE_FROM:-32768}  # 32k fits none of the rows without
-EXTRA=${EXTRA:-"cp2@65536:full torch_cp2@65536:full tp2_sp@65536:full"}  # (2 x H100, 2026-11-27)
+TOKENS=${TOKENS:-32768}; RECOMPUTE_FROM=${RECOMPUTE_FROM:-32768}
+# without recomputation last: a run out of memory ends step 2
+EXTRA=${EXTRA:-"cp2@65536:full torch_cp2@65536:full tp2_sp@65536:full cp2@32768 tp2@32768"}
 left() { echo $((BUDGET_S - SECONDS)); }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
