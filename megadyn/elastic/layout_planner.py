@@ -13,8 +13,8 @@ compute time from the model FLOPs (their attention part grows with the square of
 the pipeline bubble (pp - 1) / (vpp * m), tensor-parallel all-reduces per layer, context
 parallelism's ring of key/value exchanges (overlapped with the blockwise attention of each
 ring step, so only what the attention does not hide costs time, and the last hop of the
-gradients) and the gradient reduction over
-dp x cp; its scale factors are fitted to measured step times.
+gradients) and the gradient reduction over dp x cp; its scale factors are fitted to measured
+step times.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def memory_gib(
     params = num_params(cfg) / (layout.tp * layout.pp)
     state = 2 + 4  # bf16 weight + fp32 gradient buffer
     fp32_state = 12  # main weight + exp_avg + exp_avg_sq
-    shards = layout.dp * layout.cp  # the distributed optimizer's group: weights replicate over cp
+    # ranks sharing one optimizer copy: weights replicate over dp x cp
+    shards = max(1, layout.dp * layout.cp // layout.distopt_instances)
     per_param = state + (fp32_state / shards if distributed_optimizer else fp32_state)
     s, b, h = seq_length // layout.cp, micro_batch_size, cfg.hidden_size  # this rank's tokens
     tp = layout.tp

@@ -42,6 +42,7 @@ def resolve_request(
         if request.dp is not None:
             n = tp * cp * pp * request.dp
         layout = Layout.from_world(n, tp, pp, request.vpp, request.sp, cp=cp)
+        layout = with_job_instances(layout, cfg)
     else:  # scale
         n = request.members
         layout = layout_for_count(n, model_cfg, cfg, groups, cost, gpu_memory_gib)
@@ -86,11 +87,18 @@ def layout_for_count(n: int, model_cfg, cfg, groups, cost=None, gpu_memory_gib=N
     pinned`, the layout planner's choice under `auto` (LayoutError when none fits)."""
     old = groups.layout
     if cfg.elastic.layout == "pinned":
-        return Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel, cp=old.cp)
+        layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel, cp=old.cp)
+        return with_job_instances(layout, cfg)
     device_type = "cuda" if groups.backend == "nccl" else "cpu"
     return plan_layout(
         model_cfg, cfg, n, device_type=device_type, cost=cost, gpu_memory_gib=gpu_memory_gib
     )
+
+
+def with_job_instances(layout: Layout, cfg) -> Layout:
+    """`layout` with the job's --num-distributed-optimizer-instances where they divide its
+    dp x cp, else one instance (the trainer logs the fallback when it builds the layout)."""
+    return layout.with_distopt_instances(cfg.parallel.num_distributed_optimizer_instances)
 
 
 def _check_min_members(n: int, cfg) -> None:
@@ -107,7 +115,7 @@ def plan_layout(
     job uses a feature it does not run with; `gpu_memory_gib` None: the device's memory."""
     t = cfg.training
     gpu = gpu_memory_gib or device_memory_gib(device_type) or 1e9
-    return (
+    layout = (
         LayoutPlanner(
             model_cfg,
             global_batch_size=t.global_batch_size,
@@ -122,6 +130,7 @@ def plan_layout(
         .choose(num_members)
         .layout
     )
+    return with_job_instances(layout, cfg)
 
 
 def validate_for(layout: Layout, model_cfg, cfg) -> None:

@@ -107,6 +107,9 @@ def test_kernel_names_and_backends():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="--attention-backend fused"):
         block_kernels(q, "cudnn")
+    assert block_kernels(q, "flash", masked=True) == (block_forward, block_backward)  # documents
+    with pytest.raises(ValueError, match="no document mask"):
+        fused_block_forward(q, q, q, True, 1.0, torch.ones(1, 1, 4, 4, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])

@@ -24,15 +24,16 @@ CP_COMM_TYPES = {"p2p": ring_attention, "all_gather": all_gather_attention}
 
 
 def context_parallel_attention(
-    q, k, v, group, comm_type: str = "p2p", scale=None, backend: str = "auto"
+    q, k, v, group, comm_type: str = "p2p", scale=None, document_ids=None, backend: str = "auto"
 ):
     """Causal attention of this cp rank's queries q [b, n, s, d] over the whole sequence; k and
-    v [b, g, s, d] are this rank's part (sequence.py's two chunks). `backend`
-    (--attention-backend) picks the ring's block kernel (kernels.py); the all-gather variant
-    runs torch's SDPA with the mask of the global positions."""
+    v [b, g, s, d] are this rank's part (sequence.py's two chunks). With `document_ids`
+    [b, S] (the whole sequence's, on every cp rank) a query sees keys of its document only.
+    `backend` (--attention-backend) picks the ring's block kernel (kernels.py); the
+    all-gather variant runs torch's SDPA with the mask of the global positions."""
     if comm_type == "p2p":
-        return ring_attention(q, k, v, group, scale, kernel_for_backend(backend))
-    return CP_COMM_TYPES[comm_type](q, k, v, group, scale)
+        return ring_attention(q, k, v, group, scale, document_ids, kernel_for_backend(backend))
+    return CP_COMM_TYPES[comm_type](q, k, v, group, scale, document_ids)
 
 
 __all__ = [
