@@ -14,9 +14,10 @@ With `document_ids` (--reset-attention-mask) a block is further masked to query/
 the same document, and skipped, forward and backward, when it has none (its keys and values
 still travel on).
 Each block runs through kernels.py's kernels (torch's flash kernels on CUDA by default; masked
-blocks through blocks.py's math). The next step's exchange runs while a step computes. The backward pass goes round the ring
-again: keys and values travel as before, and the gradients of the keys and values travel with
-them, one step behind, until after cp shifts they are back on the rank that owns them.
+blocks through blocks.py's math). The next step's exchange runs while a step computes. The
+backward pass goes round the ring again: keys and values travel as before, and the gradients
+of the keys and values travel with them, one step behind, until after cp shifts they are back
+on the rank that owns them.
 """
 
 from __future__ import annotations
