@@ -1,6 +1,8 @@
 """megadyn/bench/gpt.py (tools/bench_gpt.py) on CPU: one record with the reference script's
 fields, timed on the model, wrappers and optimizer that training builds."""
 
+import gc
+
 import pytest
 import torch
 
@@ -8,25 +10,39 @@ from megadyn.testing import spawn
 
 TINY = "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --mbs 2 --gbs 4".split()
 FIELDS = [
-    "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "sp", "cuda_graph",
-    "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "attn",
+    "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "sp", "cp", "cp_comm_type",
+    "cuda_graph", "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "attn",
     "attention_backend", "recompute", "layers", "hidden", "seq", "mbs", "gbs", "iter_s",
     "iters_s", "warmup_iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib",
 ]  # fmt: skip
 
 
+def _live_tensor_bytes() -> int:
+    gc.collect()
+    return sum(
+        o.untyped_storage().nbytes()
+        for o in gc.get_objects()
+        if torch.is_tensor(o) and o._base is None and o.device.type == "cpu"
+    )
+
+
 def _bench(rank, world, flags):
+    """The record, and the bytes of tensors that outlive the run (tools/bench_cp_compare.py
+    runs many in one process)."""
     from megadyn.bench.gpt import parse_args, run_gpt_bench
 
-    return run_gpt_bench(parse_args(flags), torch.device("cpu"))
+    before = _live_tensor_bytes()
+    record = run_gpt_bench(parse_args(flags), torch.device("cpu"))
+    return record, _live_tensor_bytes() - before
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_record_has_the_reference_fields(tp):
-    flags = TINY + ["--tp", str(tp), "--iters", "2", "--warmup", "1"]
-    first, second = spawn(_bench, world=2, args=(flags,))
+@pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2)])
+def test_the_record_has_the_reference_fields(tp, cp):
+    flags = TINY + ["--tp", str(tp), "--cp", str(cp), "--iters", "2", "--warmup", "1"]
+    (first, left), (second, _) = spawn(_bench, world=2, args=(flags,))
+    assert left == 0  # the job (weights, buffers, optimizer) is gone after the run
     assert list(first) == FIELDS
-    assert (first["tp"], first["dp"], first["gbs"]) == (tp, 2 // tp, 4)
+    assert (first["tp"], first["cp"], first["dp"], first["gbs"]) == (tp, cp, 2 // (tp * cp), 4)
     assert len(first["iters_s"]) == 2 and len(first["warmup_iter_s"]) == 1
     assert first["tokens_per_s_per_gpu"] > 0
     assert first["peak_mem_gib"] == second["peak_mem_gib"] == 0.0  # no CUDA memory on CPU

@@ -27,7 +27,7 @@ from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.models import GPTConfig
+from megadyn.models import GPTConfig, lm_loss_for
 from megadyn.training.build import ModelParts, build_model_parts, no_sync
 from megadyn.training.config import MegadynConfig, ParallelConfig, TrainingConfig
 
@@ -49,6 +49,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sp", action="store_true", help="sequence parallel")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p")
     p.add_argument(
         "--attn", choices=["sdpa", "local"], default="sdpa", help="megadyn always uses sdpa"
     )
@@ -129,6 +131,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         attention_backend=a.attention_backend,
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport,
+        cp_comm_type=a.cp_comm_type,
     )
     recompute = dict(
         none=RecomputeConfig(),
@@ -141,6 +144,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         parallel=ParallelConfig(
             tp=a.tp,
             pp=a.pp,
+            cp=a.cp,
             sequence_parallel=a.sp,
             overlap_grad_reduce=not a.no_overlap_grad_reduce,
             overlap_param_gather=not a.no_overlap_param_gather,
@@ -173,7 +177,9 @@ def _loss(loss, batch):
 
 
 def training_step(parts: ModelParts, groups, batches, num_micro: int, graph):
-    """One optimizer step over `num_micro` micro batches from `batches`, as a function."""
+    """One optimizer step over `num_micro` micro batches from `batches`, as a function; under
+    context parallelism the loss is the mean over whole sequences, as in training."""
+    loss_fn = lm_loss_for(groups.cp_group) if groups.cp_size > 1 else _loss
 
     def step():
         parts.optimizer.zero_grad()
@@ -183,7 +189,7 @@ def training_step(parts: ModelParts, groups, batches, num_micro: int, graph):
             batches,
             num_micro,
             config=parts.pipeline_cfg,
-            loss_fn=_loss,
+            loss_fn=loss_fn,
             no_sync=lambda: no_sync(parts.ddp),
             cuda_graph=graph,
         )
@@ -211,7 +217,8 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     if a.gemm_sm_carveout is not None:
         torch._C._set_sm_carveout_experimental(a.gemm_sm_carveout)
     world = dist.get_world_size()
-    layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp)
+    layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp, cp=a.cp)
+    layout.validate(num_layers=a.layers, num_attention_heads=a.heads, seq_length=a.seq)
     layout = dataclasses.replace(layout, distopt_instances=a.distopt_instances)  # or refused
     groups = ParallelGroups.build(layout, range(world))
     cfg = job_config(a)
@@ -225,6 +232,8 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
         )
         graph = MicroBatchGraph(a.cuda_graph_warmup_steps)
     step = training_step(parts, groups, data, a.gbs // (a.mbs * layout.dp), graph)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this run's peak, also after other runs
 
     def sync():
         if device.type == "cuda":
@@ -239,6 +248,8 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     res = record(a, layout.dp, world, times, warmup_times, mem.item())
     if graph is not None:
         graph.reset()  # before its communicators go (NCCL waits for graphs that use them)
+    for ddp in parts.ddp:  # the gradient hooks on the parameters would keep the whole job (its
+        ddp.remove_hooks()  # weights, buffers, optimizer) alive after this returns
     groups.destroy()
     return res
 
@@ -259,6 +270,8 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         dp=dp,
         distopt_instances=a.distopt_instances,
         sp=a.sp,
+        cp=a.cp,
+        cp_comm_type=a.cp_comm_type if a.cp > 1 else None,
         cuda_graph=a.cuda_graph,
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,
@@ -296,7 +309,7 @@ def profile(a, step, sync) -> None:
     if dist.get_rank() != 0:
         return
     os.makedirs(a.profile, exist_ok=True)
-    name = f"tp{a.tp}_pp{a.pp}{'_sp' if a.sp else ''}"
+    name = f"tp{a.tp}_pp{a.pp}{f'_cp{a.cp}' if a.cp > 1 else ''}{'_sp' if a.sp else ''}"
     if a.tp_comm_overlap:
         name += "_overlap" + ("_ce" if a.tp_comm_overlap_transport == "copy-engine" else "")
     name += "_graph" if a.cuda_graph else ""

@@ -5,12 +5,16 @@
     planner.cost.calibrate([(layout, mbs, measured_step_seconds), ...])
 
 The memory model counts weights, gradients and Adam state per rank (the distributed optimizer
-shards the fp32 state over dp) and the activations 1F1B keeps alive on the first stage
-(Korthikanti et al.: about s*b*h*(34 + 5*a*s/h) bytes per layer, divided by tp under sequence
-parallelism; full recomputation keeps only the layer inputs). The cost model follows the PTD-P
-paper's analysis: compute time from the model FLOPs, the pipeline bubble (pp - 1) / (vpp * m),
-tensor-parallel all-reduces per layer and the data-parallel gradient reduction; its scale factors
-are fitted to measured step times.
+shards the fp32 state over dp x cp) and the activations 1F1B keeps alive on the first stage
+(Korthikanti et al. with flash attention: about s*b*h*(10 + 24/tp) bytes per layer, 34*s*b*h/tp
+under sequence parallelism, for the s / cp tokens a context-parallel rank holds; full
+recomputation keeps only the layer inputs). The cost model follows the PTD-P paper's analysis:
+compute time from the model FLOPs (their attention part grows with the square of the sequence),
+the pipeline bubble (pp - 1) / (vpp * m), tensor-parallel all-reduces per layer, context
+parallelism's ring of key/value exchanges (overlapped with the blockwise attention of each
+ring step, so only what the attention does not hide costs time, and the last hop of the
+gradients) and the gradient reduction over dp x cp; its scale factors are fitted to measured
+step times.
 """
 
 from __future__ import annotations
@@ -57,11 +61,13 @@ def memory_gib(
     params = num_params(cfg) / (layout.tp * layout.pp)
     state = 2 + 4  # bf16 weight + fp32 gradient buffer
     fp32_state = 12  # main weight + exp_avg + exp_avg_sq
-    shards = max(1, layout.dp // layout.distopt_instances)  # ranks sharing one optimizer copy
+    # ranks sharing one optimizer copy: weights replicate over dp x cp
+    shards = max(1, layout.dp * layout.cp // layout.distopt_instances)
     per_param = state + (fp32_state / shards if distributed_optimizer else fp32_state)
-    s, b, h = seq_length, micro_batch_size, cfg.hidden_size
+    s, b, h = seq_length // layout.cp, micro_batch_size, cfg.hidden_size  # this rank's tokens
     tp = layout.tp
-    # bytes per layer per micro batch (Korthikanti et al., flash attention: no s^2 term)
+    # bytes per layer per micro batch (Korthikanti et al., flash attention: no s^2 term; the
+    # ring keeps the same q, k, v and output, of the local tokens)
     if recompute.granularity == "full":
         per_layer = 2 * s * b * h / (tp if layout.sequence_parallel else 1)  # layer input only
     elif layout.sequence_parallel:
@@ -75,6 +81,12 @@ def memory_gib(
     return (params * per_param + activations + logits) / GiB
 
 
+def attention_flops(cfg: GPTConfig, batch_size: int, seq_length: int) -> float:
+    """The part of `model_flops_per_iteration` that grows with the square of the sequence: the
+    scores and their product with the values, 12 * B * s^2 * h per layer (forward + backward)."""
+    return 12 * batch_size * seq_length**2 * cfg.hidden_size * cfg.num_layers
+
+
 @dataclass
 class CostModel:
     """Step-time model; `compute_scale` and `comm_scale` are fitted by `calibrate`."""
@@ -83,6 +95,8 @@ class CostModel:
     efficiency: float = 0.45
     tp_bandwidth: float = 150e9
     dp_bandwidth: float = 150e9
+    cp_bandwidth: float = 150e9
+    """Bytes/s of one ring step's point-to-point exchange between neighbouring cp ranks."""
     compute_scale: float = 1.0
     comm_scale: float = 1.0
     samples: list = field(default_factory=list)
@@ -104,15 +118,37 @@ class CostModel:
         bubble = (layout.pp - 1) / (layout.vpp * m)
         tp_bytes = 0.0
         if layout.tp > 1:  # 4 all-reduces of [s, b, h] bf16 per layer per micro batch (fwd + bwd)
-            per = 4 * 2 * seq * mbs * cfg.hidden_size * 2 * (layout.tp - 1) / layout.tp
+            per = (
+                4 * 2 * (seq // layout.cp) * mbs * cfg.hidden_size * 2 * (layout.tp - 1) / layout.tp
+            )
             tp_bytes = per * m * cfg.num_layers / layout.pp
         dp_bytes = 0.0
-        if layout.dp > 1:
-            dp_bytes = (
-                2 * 4 * num_params(cfg) / (layout.tp * layout.pp) * (layout.dp - 1) / layout.dp
-            )
+        shards = layout.dp * layout.cp  # gradients reduce over dp x cp
+        if shards > 1:
+            dp_bytes = 2 * 4 * num_params(cfg) / (layout.tp * layout.pp) * (shards - 1) / shards
         comm = tp_bytes / self.tp_bandwidth + dp_bytes / self.dp_bandwidth
+        comm += m * cfg.num_layers / layout.pp * self.ring_seconds_per_layer(cfg, layout, mbs, seq)
         return self.compute_scale * compute * (1 + bubble) + self.comm_scale * comm
+
+    def ring_seconds_per_layer(self, cfg: GPTConfig, layout: Layout, mbs: int, seq: int) -> float:
+        """Exposed time of one layer's ring exchanges for one micro batch (0 without cp). Each
+        of the cp - 1 forward steps sends this rank's keys and values (bf16) to the next rank
+        while the attention of the step's block runs; the backward sends them again, and their
+        fp32 gradients travel one step behind: cp - 1 of those hops run beside a step's
+        attention, the last one, which brings a rank its own gradients, after all of it. What
+        the attention does not cover counts."""
+        cp = layout.cp
+        if cp == 1:
+            return 0.0
+        kv = 2 * (seq // cp) * mbs * cfg.head_dim * cfg.query_groups // layout.tp  # elements
+        # causal: half the scores of attention_flops; a third forward, two thirds backward;
+        # each rank's share of every ring step is 1 / (tp * cp * cp) of the layer's attention
+        per_step = attention_flops(cfg, mbs, seq) / 2 / cfg.num_layers / (layout.tp * cp * cp)
+        step_time = per_step / (self.peak_flops * self.efficiency)
+        fwd = (cp - 1) * max(0.0, 2 * kv / self.cp_bandwidth - step_time / 3)
+        bwd_beside = (cp - 1) * (2 + 4) * kv / self.cp_bandwidth
+        bwd = max(0.0, bwd_beside - cp * 2 * step_time / 3) + 4 * kv / self.cp_bandwidth
+        return fwd + bwd
 
     def calibrate(self, cfg: GPTConfig, gbs: int, seq: int, measured: list[tuple]) -> None:
         """Fit `compute_scale` to measured (layout, mbs, recompute, seconds) step times."""
@@ -137,40 +173,54 @@ class LayoutPlanner:
         cost: CostModel | None = None,
         micro_batch_sizes: tuple[int, ...] = (1, 2, 4),
         recomputes: tuple[RecomputeConfig, ...] | None = None,
+        cp_sizes: tuple[int, ...] = (1, 2, 4, 8),
     ):
         self.cfg, self.gbs, self.seq = cfg, global_batch_size, seq_length
         self.gpu_memory_gib, self.distopt = gpu_memory_gib, distributed_optimizer
         self.cost = cost or CostModel()
         self.micro_batch_sizes, self.recomputes = micro_batch_sizes, recomputes
+        self.cp_sizes = cp_sizes
+        """Context-parallel degrees to consider ((1,) where the job's features exclude cp)."""
+
+    def _degrees(self, num_members: int):
+        """(tp, cp, pp, dp) that fill `num_members` ranks."""
+        for tp in (t for t in (1, 2, 4, 8) if num_members % t == 0):
+            for cp in (c for c in self.cp_sizes if (num_members // tp) % c == 0):
+                rest = num_members // (tp * cp)
+                for pp in (p for p in range(1, rest + 1) if rest % p == 0):
+                    yield tp, cp, pp, rest // pp
+
+    def _layouts(self, num_members: int):
+        """Every layout of `num_members` ranks: degrees, virtual stages, sequence parallelism."""
+        for tp, cp, pp, dp in self._degrees(num_members):
+            for vpp in (1, 2) if pp > 1 else (1,):
+                for sp in (False, True) if tp > 1 else (False,):
+                    yield Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, sequence_parallel=sp, cp=cp)
 
     def candidates(self, num_members: int):
         cfg = self.cfg
-        for tp in (t for t in (1, 2, 4, 8) if num_members % t == 0):
-            for pp in (p for p in range(1, num_members // tp + 1) if (num_members // tp) % p == 0):
-                dp = num_members // (tp * pp)
-                for vpp in (1, 2) if pp > 1 else (1,):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, sequence_parallel=sp)
-                        for mbs in self.micro_batch_sizes:
-                            try:
-                                layout.validate(
-                                    num_layers=cfg.num_layers,
-                                    num_attention_heads=cfg.num_attention_heads,
-                                    num_query_groups=cfg.num_query_groups,
-                                    seq_length=self.seq,
-                                    global_batch_size=self.gbs,
-                                    micro_batch_size=mbs,
-                                )
-                            except LayoutError:
-                                continue
-                            if vpp > 1 and (self.gbs // (mbs * dp)) % pp:
-                                continue
-                            for rc in self.recomputes or (
-                                RecomputeConfig(),
-                                RecomputeConfig("selective"),
-                                RecomputeConfig("full", "uniform", 1),
-                            ):
-                                yield layout, mbs, rc
+        recomputes = self.recomputes or (
+            RecomputeConfig(),
+            RecomputeConfig("selective"),
+            RecomputeConfig("full", "uniform", 1),
+        )
+        for layout in self._layouts(num_members):
+            for mbs in self.micro_batch_sizes:
+                try:
+                    layout.validate(
+                        num_layers=cfg.num_layers,
+                        num_attention_heads=cfg.num_attention_heads,
+                        num_query_groups=cfg.num_query_groups,
+                        seq_length=self.seq,
+                        global_batch_size=self.gbs,
+                        micro_batch_size=mbs,
+                    )
+                except LayoutError:
+                    continue
+                if layout.vpp > 1 and (self.gbs // (mbs * layout.dp)) % layout.pp:
+                    continue
+                for rc in recomputes:
+                    yield layout, mbs, rc
 
     def evaluate(self, layout: Layout, mbs: int, rc: RecomputeConfig) -> Choice:
         mem = memory_gib(self.cfg, layout, mbs, self.seq, rc, self.distopt)

@@ -26,8 +26,11 @@ def device_memory_gib(device_type: str) -> float | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
 
 
-def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], cost=None):
-    """(new layout, new members, released ranks) for `request`; raises LayoutError to refuse."""
+def resolve_request(
+    request: Request, model_cfg, cfg, groups, live: list[int], cost=None, gpu_memory_gib=None
+):
+    """(new layout, new members, released ranks) for `request`; raises LayoutError to refuse.
+    `gpu_memory_gib` replaces the device's memory for the layout planner (None: the device's)."""
     members = list(groups.grid.members)
     standby = [r for r in live if r not in members]
     old = groups.layout
@@ -42,7 +45,7 @@ def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], c
         layout = with_job_instances(layout, cfg)
     else:  # scale
         n = request.members
-        layout = layout_for_count(n, model_cfg, cfg, groups, cost=cost)
+        layout = layout_for_count(n, model_cfg, cfg, groups, cost, gpu_memory_gib)
     _check_min_members(n, cfg)
     if n > len(members) + len(standby):
         raise LayoutError(
@@ -79,7 +82,7 @@ def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None)
     return layout, list(canonical_members(layout, rest)), [rank]
 
 
-def layout_for_count(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
+def layout_for_count(n: int, model_cfg, cfg, groups, cost=None, gpu_memory_gib=None) -> Layout:
     """The layout of `n` members after a scale: tp, cp, pp and vpp kept under `--elastic-layout
     pinned`, the layout planner's choice under `auto` (LayoutError when none fits)."""
     old = groups.layout
@@ -87,7 +90,9 @@ def layout_for_count(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
         layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel, cp=old.cp)
         return with_job_instances(layout, cfg)
     device_type = "cuda" if groups.backend == "nccl" else "cpu"
-    return plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
+    return plan_layout(
+        model_cfg, cfg, n, device_type=device_type, cost=cost, gpu_memory_gib=gpu_memory_gib
+    )
 
 
 def with_job_instances(layout: Layout, cfg) -> Layout:
@@ -101,20 +106,26 @@ def _check_min_members(n: int, cfg) -> None:
         raise LayoutError(f"{n} members is below --elastic-min-members ({cfg.elastic.min_members})")
 
 
-def plan_layout(model_cfg, cfg, num_members: int, *, device_type: str, cost=None) -> Layout:
+def plan_layout(
+    model_cfg, cfg, num_members: int, *, device_type: str, cost=None, gpu_memory_gib=None
+) -> Layout:
     """The layout planner's fastest layout for `num_members` that keeps the running micro batch
     size and recomputation (a scale request, and a restart whose world the job's layout does
-    not fit); raises LayoutError when none fits."""
+    not fit); raises LayoutError when none fits. Context parallelism is considered unless the
+    job uses a feature it does not run with; `gpu_memory_gib` None: the device's memory."""
     t = cfg.training
+    gpu = gpu_memory_gib or device_memory_gib(device_type) or 1e9
     layout = (
         LayoutPlanner(
             model_cfg,
             global_batch_size=t.global_batch_size,
             seq_length=cfg.data.seq_length,
-            gpu_memory_gib=device_memory_gib(device_type) or 1e9,
+            gpu_memory_gib=gpu,
+            distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             cost=cost,
             micro_batch_sizes=(t.micro_batch_size,),
             recomputes=(t.recompute,),
+            cp_sizes=(1,) if context_parallel_conflicts(cfg) else (1, 2, 4, 8),
         )
         .choose(num_members)
         .layout
@@ -132,6 +143,19 @@ def validate_for(layout: Layout, model_cfg, cfg) -> None:
         global_batch_size=cfg.training.global_batch_size,
         micro_batch_size=cfg.training.micro_batch_size,
     )
+
+
+def context_parallel_conflicts(cfg) -> list[str]:
+    """The flags of this job that context parallelism does not run with yet: validation refuses
+    them with --context-parallel-size > 1, and the layout planner then considers cp 1 only."""
+    el = cfg.elastic
+    unsupported = {
+        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+        "--tp-comm-overlap": cfg.model.tp_comm_overlap,
+        "--elastic-snapshot-interval": el.snapshot_interval > 0,
+    }
+    return [flag for flag, used in unsupported.items() if used]
 
 
 def check_layout(layout: Layout, model_cfg, cfg) -> None:

@@ -116,8 +116,9 @@ class SelfAttention(nn.Module):
             if p > 0.0:
                 raise ValueError("--attention-dropout must be 0 with --context-parallel-size > 1")
             ids = None if documents is None else documents.document_ids
+            backend = self.cfg.attention_backend
             return context_parallel_attention(
-                q, k, v, self.cp_group, self.cfg.cp_comm_type, document_ids=ids
+                q, k, v, self.cp_group, self.cfg.cp_comm_type, document_ids=ids, backend=backend
             )
         if documents is not None:
             if p > 0.0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from megadyn.core.layout import Layout
 from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
 from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
-from megadyn.elastic.requests import validate_for
+from megadyn.elastic.requests import context_parallel_conflicts, validate_for
 from megadyn.training.config import ConfigError, ElasticConfig, MegadynConfig
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import check_schedule
@@ -100,16 +100,10 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
         if cfg.model.cp_comm_type != "p2p":
             raise ConfigError("--cp-comm-type applies to --context-parallel-size > 1")
         return
-    el, flag = cfg.elastic, "--context-parallel-size"
-    unsupported = {
-        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
-        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
-        "--tp-comm-overlap": cfg.model.tp_comm_overlap,
-        "--elastic-snapshot-interval": el.snapshot_interval > 0,
-    }
-    for other, used in unsupported.items():
-        if used:
-            raise ConfigError(f"{flag} > 1 does not run with {other} yet: drop one of them")
+    for other in context_parallel_conflicts(cfg):
+        raise ConfigError(
+            f"--context-parallel-size > 1 does not run with {other} yet: drop one of them"
+        )
 
 
 def _validate_document_masking(cfg: MegadynConfig) -> None:

@@ -1,11 +1,19 @@
-"""The layout planner: fits memory, prefers what the calibrated cost model says is faster."""
+"""The layout planner: fits memory, prefers what the calibrated cost model says is faster; at
+long sequences context parallelism, whose activations shrink with the tokens a rank holds and
+whose ring exchange the attention hides."""
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.elastic.layout_planner import CostModel, LayoutPlanner, memory_gib
+from megadyn.elastic.records import Request
+from megadyn.elastic.requests import resolve_request
 from megadyn.models import GPTConfig
+from megadyn.training.arguments import parse_config
 
 CFG = GPTConfig.gpt2(
     num_layers=24,
@@ -52,3 +60,95 @@ def test_calibration_scales_the_cost_model():
     )
     pinned = planner.choose(2, pinned=Layout(tp=2, dp=1))
     assert pinned.layout == Layout(tp=2, dp=1) and pinned.micro_batch_size == 2
+
+
+LONG = 131072  # tokens: tp 2 x dp 2 does not fit 80 GiB without recomputation at this length
+NO_RECOMPUTE = (RecomputeConfig(),)
+
+
+def long_cfg(seq: int) -> GPTConfig:
+    return dataclasses.replace(CFG, max_position_embeddings=seq)
+
+
+def test_activations_scale_with_the_tokens_a_rank_holds():
+    # cp 2 at 2S holds S tokens a rank, as dp 2 at S does, with the same optimizer shards
+    for s in (4096, 32768):
+        for rc in (RecomputeConfig(), RecomputeConfig("full", "uniform", 1)):
+            cp = memory_gib(long_cfg(2 * s), Layout(cp=2), 1, 2 * s, rc)
+            dp = memory_gib(long_cfg(2 * s), Layout(dp=2), 1, s, rc)
+            assert cp == pytest.approx(dp)
+    short, long = (
+        memory_gib(long_cfg(s), Layout(tp=2), 1, s, RecomputeConfig()) for s in (8192, LONG)
+    )
+    assert long > 4 * short  # activations, not weights, dominate at long sequences
+
+
+def test_ring_exchange_is_hidden_by_attention_at_long_sequences_only():
+    cost, tp2cp2 = CostModel(), Layout(tp=2, cp=2)
+
+    def last_hop(seq):  # the fp32 gradients of a rank's own keys and values, after the attention
+        return 4 * 2 * (seq // 2) * CFG.hidden_size // 2 / cost.cp_bandwidth
+
+    assert cost.ring_seconds_per_layer(CFG, tp2cp2, 1, 2048) > last_hop(2048)
+    assert cost.ring_seconds_per_layer(CFG, tp2cp2, 1, LONG) == pytest.approx(last_hop(LONG))
+    assert cost.ring_seconds_per_layer(CFG, Layout(tp=4), 1, LONG) == 0
+
+
+def test_planner_picks_cp_for_long_sequences_and_not_for_short_ones():
+    planner = LayoutPlanner(
+        long_cfg(LONG), global_batch_size=8, seq_length=LONG, gpu_memory_gib=80,
+        micro_batch_sizes=(1,), recomputes=NO_RECOMPUTE,
+    )  # fmt: skip
+    for sp in (False, True):
+        tp2dp2 = planner.evaluate(Layout(tp=2, dp=2, sequence_parallel=sp), 1, NO_RECOMPUTE[0])
+        assert tp2dp2.memory_gib > 80
+    choice = planner.choose(4)
+    assert choice.layout.cp > 1 and choice.memory_gib <= 80
+    for seq in (2048, 8192):
+        short = LayoutPlanner(
+            long_cfg(seq), global_batch_size=8, seq_length=seq, gpu_memory_gib=80,
+            micro_batch_sizes=(1,), recomputes=NO_RECOMPUTE,
+        )  # fmt: skip
+        assert short.choose(4).layout.cp == 1
+    no_cp = LayoutPlanner(
+        long_cfg(LONG), global_batch_size=8, seq_length=LONG, gpu_memory_gib=80,
+        micro_batch_sizes=(1,), recomputes=NO_RECOMPUTE, cp_sizes=(1,),
+    )  # fmt: skip
+    assert no_cp.choose(4).layout.cp == 1  # tp 4 (or SP) fits where cp is not allowed
+
+
+def job_argv(seq: int, *extra: str) -> list[str]:
+    return [
+        "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+        "--ffn-hidden-size", "8192", "--vocab-size", "50304", "--seq-length", str(seq),
+        "--max-position-embeddings", str(seq), "--untie-embeddings-and-output-weights",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--bf16",
+        "--use-distributed-optimizer", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--elastic-layout", "auto", "--train-iters", "10", "--attention-dropout", "0",
+        "--hidden-dropout", "0", *extra,
+    ]  # fmt: skip
+
+
+def test_scale_request_takes_the_planned_cp_layout():
+    """A live scale from 2 to 4 members under --elastic-layout auto at a long sequence moves to
+    the planner's cp layout; with a feature cp does not run with, the planner keeps cp 1."""
+    groups = SimpleNamespace(
+        layout=Layout(tp=2), grid=SimpleNamespace(members=[0, 1]), backend="gloo"
+    )
+    scale = Request(action="scale", members=4)
+    cfg = parse_config(job_argv(LONG), 2)
+    layout, members, released = resolve_request(
+        scale, cfg.model, cfg, groups, [0, 1, 2, 3], gpu_memory_gib=80
+    )
+    assert layout.cp > 1 and layout.world_size == 4 and sorted(members) == [0, 1, 2, 3]
+    assert released == []
+    graphed = parse_config(job_argv(LONG, "--enable-cuda-graph"), 2)
+    layout, _, _ = resolve_request(
+        scale, graphed.model, graphed, groups, [0, 1, 2, 3], gpu_memory_gib=80
+    )
+    assert layout.cp == 1
+    short = parse_config(job_argv(4096), 2)
+    layout, _, _ = resolve_request(
+        scale, short.model, short, groups, [0, 1, 2, 3], gpu_memory_gib=80
+    )
+    assert layout.cp == 1

@@ -10,6 +10,7 @@ gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
 
 from megadyn.core.context_parallel.all_gather import all_gather_attention
 from megadyn.core.context_parallel.comm import RingExchange, all_reduce_sum
+from megadyn.core.context_parallel.kernels import block_kernels, kernel_for_backend
 from megadyn.core.context_parallel.ring import ring_attention
 from megadyn.core.context_parallel.sequence import (
     chunk_ids,
@@ -23,11 +24,15 @@ CP_COMM_TYPES = {"p2p": ring_attention, "all_gather": all_gather_attention}
 
 
 def context_parallel_attention(
-    q, k, v, group, comm_type: str = "p2p", scale=None, document_ids=None
+    q, k, v, group, comm_type: str = "p2p", scale=None, document_ids=None, backend: str = "auto"
 ):
     """Causal attention of this cp rank's queries q [b, n, s, d] over the whole sequence; k and
     v [b, g, s, d] are this rank's part (sequence.py's two chunks). With `document_ids`
-    [b, S] (the whole sequence's, on every cp rank) a query sees keys of its document only."""
+    [b, S] (the whole sequence's, on every cp rank) a query sees keys of its document only.
+    `backend` (--attention-backend) picks the ring's block kernel (kernels.py); the
+    all-gather variant runs torch's SDPA with the mask of the global positions."""
+    if comm_type == "p2p":
+        return ring_attention(q, k, v, group, scale, document_ids, kernel_for_backend(backend))
     return CP_COMM_TYPES[comm_type](q, k, v, group, scale, document_ids)
 
 
@@ -36,8 +41,10 @@ __all__ = [
     "RingExchange",
     "all_gather_attention",
     "all_reduce_sum",
+    "block_kernels",
     "chunk_ids",
     "context_parallel_attention",
+    "kernel_for_backend",
     "local_positions",
     "ring_attention",
     "split_batch",

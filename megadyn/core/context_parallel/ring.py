@@ -13,17 +13,20 @@ so every step computes two chunks' worth of scores: the work is balanced over ra
 With `document_ids` (--reset-attention-mask) a block is further masked to query/key pairs of
 the same document, and skipped, forward and backward, when it has none (its keys and values
 still travel on).
-The next step's exchange runs while a step computes. The backward pass goes round the ring
-again: keys and values travel as before, and the gradients of the keys and values travel with
-them, one step behind, until after cp shifts they are back on the rank that owns them.
+Each block runs through kernels.py's kernels (torch's flash kernels on CUDA by default; masked
+blocks through blocks.py's math). The next step's exchange runs while a step computes. The
+backward pass goes round the ring again: keys and values travel as before, and the gradients
+of the keys and values travel with them, one step behind, until after cp shifts they are back
+on the rank that owns them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
+from megadyn.core.context_parallel.blocks import merge_into
 from megadyn.core.context_parallel.comm import RingExchange
+from megadyn.core.context_parallel.kernels import block_kernels
 from megadyn.core.context_parallel.sequence import split_sequence
 
 
@@ -55,8 +58,9 @@ def _step_block(ring: RingExchange, step: int, half: int, document_ids):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, document_ids):
+    def forward(ctx, q, k, v, group, scale, document_ids, kernel):
         ring = RingExchange(group)
+        block_forward, _ = block_kernels(q, kernel, masked=document_ids is not None)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         out = lse = None
@@ -70,7 +74,7 @@ class _RingAttention(torch.autograd.Function):
                     q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, visible
                 )
                 if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
-                    out, lse = block_out, block_lse
+                    out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
                 else:
                     merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < ring.size - 1:
@@ -78,13 +82,14 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.document_ids = group, scale, document_ids
+        ctx.group, ctx.scale, ctx.document_ids, ctx.kernel = group, scale, document_ids, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = RingExchange(ctx.group)
+        _, block_backward = block_kernels(q, ctx.kernel, masked=ctx.document_ids is not None)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -119,12 +124,15 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait(pending)
                 kv = incoming
         ring.wait(dkv_pending)  # after cp shifts: the gradients of this rank's keys and values
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group, scale: float | None = None, document_ids=None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, group, scale: float | None = None, document_ids=None, kernel: str | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
     keys and values k, v [b, g, s, d] are spread over `group` (the cp group); within
-    documents when `document_ids` [b, S] (the whole sequence's) is given."""
+    documents when `document_ids` [b, S] (the whole sequence's) is given. Each block runs
+    through kernels.py's `kernel` ("flash", "cudnn", "math"; None: flash where it runs)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale, document_ids)
+    return _RingAttention.apply(q, k, v, group, scale, document_ids, kernel)

@@ -1,0 +1,164 @@
+"""The ring's fused block kernels (megadyn/core/context_parallel/kernels.py) equal the math path
+of blocks.py: forward (output and log-sum-exp) and backward, causal and not, with grouped
+queries; blocks computed apart, merged by their log-sum-exp and differentiated with the final
+output, give the whole attention and its gradients; the ring with them equals the math ring.
+On CPU torch's CPU flash kernels run in fp32 (within 1e-5); on a GPU the CUDA flash and cuDNN
+kernels in bf16 against torch's whole attention in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
+from megadyn.core.context_parallel.kernels import (
+    block_kernels,
+    cudnn_block_backward,
+    cudnn_block_forward,
+    fused_block_backward,
+    fused_block_forward,
+    kernel_for_backend,
+)
+from megadyn.testing.spawn import spawn
+
+B, N, G, D = 2, 4, 2, 8  # batch, query heads, key/value heads, head size
+
+
+def qkv(sq: int, sk: int, dtype=torch.float32, device="cpu", seed: int = 0, d: int = D):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(B, N, sq, d), (B, G, sk, d), (B, G, sk, d)]
+    return [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("sq,sk,causal", [(12, 12, True), (12, 12, False), (6, 12, False)])
+def test_fused_block_equals_math_block(sq, sk, causal):
+    q, k, v = qkv(sq, sk)
+    scale = D**-0.5
+    out, lse = fused_block_forward(q, k, v, causal, scale)
+    ref_out, ref_lse = block_forward(q, k, v, causal, scale)
+    assert max_rel(out, ref_out) < 1e-5 and max_rel(lse, ref_lse) < 1e-5
+    dout = torch.randn_like(out)
+    grads = fused_block_backward(dout, q, k, v, out, lse, causal, scale)
+    ref = block_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+    for got, want in zip(grads, ref, strict=True):
+        assert got.shape == want.shape and max_rel(got, want) < 1e-5
+
+
+def blockwise_attention(q, k, v, forward, backward, dout, scale):
+    """Causal attention over two key blocks as the ring computes it: the diagonal block causal,
+    the earlier block unmasked; merged by log-sum-exp, each block's backward given the final
+    output and log-sum-exp. Returns the output and (dq, dk, dv)."""
+    half = k.shape[2] // 2  # the second block's queries see all of the first block's keys
+    blocks = [  # (query rows, key columns, causal)
+        (slice(0, half), slice(0, half), True),
+        (slice(half, None), slice(half, None), True),
+        (slice(half, None), slice(0, half), False),
+    ]
+    out = torch.zeros_like(q, dtype=torch.float64)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64, device=q.device)
+    for rows, cols, causal in blocks:
+        o, s = forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
+        merge_into(out[:, :, rows], lse[:, :, rows], o.double(), s.double())
+    out, lse = out.to(q.dtype), lse.float()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, causal in blocks:
+        g = backward(
+            dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+            out[:, :, rows], lse[:, :, rows], causal, scale,
+        )  # fmt: skip
+        dq[:, :, rows] += g[0].to(q.dtype)
+        dk[:, :, cols] += g[1].to(k.dtype)
+        dv[:, :, cols] += g[2].to(v.dtype)
+    return out, (dq, dk, dv)
+
+
+def whole_attention(q, k, v, dout):
+    """torch's causal attention over all keys, with autograd's gradients (fp32)."""
+    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(dout.float())
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+def test_fused_blocks_merge_into_the_whole_attention():
+    q, k, v = qkv(16, 16, seed=1)
+    dout = torch.randn(B, N, 16, D, generator=torch.Generator().manual_seed(2))
+    forward, backward = block_kernels(q, "flash")
+    out, grads = blockwise_attention(q, k, v, forward, backward, dout, D**-0.5)
+    ref_out, ref_grads = whole_attention(q, k, v, dout)
+    assert max_rel(out, ref_out) < 1e-5
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert max_rel(got, want) < 1e-5
+
+
+def test_kernel_names_and_backends():
+    q = torch.zeros(1, 1, 4, 8)
+    assert block_kernels(q) == (block_forward, block_backward)  # CPU and fp32: the math path
+    assert block_kernels(q, "flash") == (fused_block_forward, fused_block_backward)
+    assert [kernel_for_backend(b) for b in ("auto", "flash", "fused", "unfused")] == [
+        None, "flash", "cudnn", "math",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--attention-backend fused"):
+        block_kernels(q, "cudnn")
+    assert block_kernels(q, "flash", masked=True) == (block_forward, block_backward)  # documents
+    with pytest.raises(ValueError, match="no document mask"):
+        fused_block_forward(q, q, q, True, 1.0, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_cuda_kernel_calls_check_on_meta_tensors(kernel):
+    """The CUDA kernels' argument lists and shapes, through torch's meta kernels (no GPU)."""
+    forward, backward = {"flash": (fused_block_forward, fused_block_backward)}.get(
+        kernel, (cudnn_block_forward, cudnn_block_backward)
+    )
+    q, k, v = (t.to("meta", torch.bfloat16) for t in qkv(12, 16))
+    out, lse = forward(q, k, v, False, 0.5)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    grads = backward(torch.empty_like(out), q, k, v, out, lse, False, 0.5)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kernel", [None, "cudnn"])
+def test_cuda_blocks_equal_the_whole_attention_on_gpu(kernel):
+    """bf16 flash (the default on CUDA) and cuDNN blocks against torch's whole attention in
+    fp32 on the GPU, at the ring's head size."""
+    d, s = 128, 256
+    q, k, v = qkv(s, s, torch.bfloat16, "cuda", seed=3, d=d)
+    forward, backward = block_kernels(q, kernel)
+    assert kernel or forward is fused_block_forward
+    dout = torch.randn(B, N, s, d, device="cuda", dtype=torch.bfloat16)
+    out, grads = blockwise_attention(q, k, v, forward, backward, dout, d**-0.5)
+    ref_out, ref_grads = whole_attention(q, k, v, dout)
+    errors = [max_rel(out, ref_out)] + [max_rel(a, b) for a, b in zip(grads, ref_grads)]
+    print(f"{kernel or 'flash'} blocks vs whole attention, bf16 (out, dq, dk, dv):", errors)
+    assert max(errors) < 2e-2
+
+
+def ring_body(rank: int, world: int) -> float:
+    """The ring over `world` gloo ranks with the fused CPU kernels and with the math path:
+    largest relative difference of the outputs and of the gradients of q, k and v."""
+    import torch.distributed as dist
+
+    from megadyn.core.context_parallel import ring_attention, split_sequence
+
+    q, k, v = (split_sequence(t, rank, world, dim=2) for t in qkv(8 * world, 8 * world, seed=4))
+    dout = torch.randn_like(q)
+    results = []
+    for kernel in ("flash", "math"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*leaves, group=dist.group.WORLD, kernel=kernel)
+        out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    return max(max_rel(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_ring_with_fused_blocks_equals_the_math_ring():
+    assert max(spawn(ring_body, world=2)) < 1e-5
