@@ -19,6 +19,10 @@ it under sequence parallelism) asynchronously while its weight gradient is compu
 'copy-engine', best as `groups.comm_overlap(transport)`, which carries the layout's
 communication resources) the all-gathers and the row-parallel reduce-scatter also run beside
 per-chunk GEMMs (sp_overlap.py).
+
+FP8 (`fp8`, an Fp8Recipe: --fp8-format, --fp8-recipe): the layer's three GEMMs take float8
+operands with dynamic scales (fp8.py); the communication above is the same, and the weight
+gradient, written in the weight's dtype, is added into `main_grad`.
 """
 
 from __future__ import annotations
