@@ -2,7 +2,8 @@
 
 - One layer's output and gradients equal, bit for bit, a quantize-dequantize computation
   written here from the definition (amax, power-of-two scale from frexp, clamp, round to
-  float8, multiply back, fp32 matmul): CPU's torch._scaled_mm runs the real path.
+  float8, multiply back, fp32 matmul). The CPU's GEMM (fp8.emulated_mm) equals torch's CPU
+  torch._scaled_mm bit for bit (too slow to train with, fine on a test's shapes).
 - A tiny GPT in fp8 tracks the same GPT without it: loss within 1e-2 relative, each weight
   gradient within 0.25 relative (L2; e4m3 keeps 3 mantissa bits, one rounding of up to
   2^-4 per operand), cosine similarity above 0.97.
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
+from megadyn.core.tensor_parallel.fp8 import Fp8Recipe, emulated_mm
 from megadyn.models import GPTModel, init_chunk, masked_mean
 from megadyn.testing import spawn
 from megadyn.training.arguments import ConfigError, parse_args
@@ -49,6 +50,20 @@ def reference_grads(recipe, x, w, g):
     grad_x = dequantized(g, bwd, 1) @ dequantized(w, bwd, 0)
     grad_w = dequantized(g, bwd, 0).t() @ dequantized(x, fwd, 0)
     return y, grad_x, grad_w
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_gemm_equals_torch_scaled_mm(rowwise, out_dtype):
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.randn(48, 64, generator=gen) * 40).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 64, generator=gen).to(torch.float8_e5m2).t()  # [k, n] column-major
+    a_inv = torch.exp2(torch.randint(-9, 3, (48, 1) if rowwise else (), generator=gen).float())
+    b_inv = torch.exp2(torch.randint(-9, 3, (1, 32) if rowwise else (), generator=gen).float())
+    bias = None if rowwise else torch.randn(32, generator=gen).to(out_dtype)
+    got = emulated_mm(a, a_inv, b, b_inv, out_dtype, bias)
+    want = torch._scaled_mm(a, b, a_inv, b_inv, bias=bias, out_dtype=out_dtype)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")

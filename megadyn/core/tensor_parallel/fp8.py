@@ -18,9 +18,13 @@ for bit (the CPU tests rely on it), at the price of up to one binade of fp8 rang
 Formats (Megatron's names): 'e4m3' quantizes every operand to float8_e4m3fn (max 448);
 'hybrid' keeps e4m3 for activations and weights and takes float8_e5m2 (max 57344, more
 range, less precision) for the output gradient. Recipes: 'tensorwise' (one scale per
-tensor; the forward keeps x and W in fp8 for the backward, half the bytes) and 'rowwise'
-(a scale per row of each GEMM operand; the backward re-quantizes x and W, kept in the
-model's dtype, along the other dimension).
+tensor; the forward's casts also write x^T and W^T in fp8, which the backward GEMMs take,
+so no tensor is cast twice) and 'rowwise' (a scale per row of each GEMM operand; the
+backward re-quantizes x and W, kept in the model's dtype, along the other dimension).
+
+The forward GEMM uses the GPU's fast fp8 accumulation; the backward GEMMs do not. The
+weight gradient is written in the weight's dtype and then added into `main_grad`
+(`torch._scaled_mm` cannot accumulate into its output).
 
 Tensor parallelism: an amax that spans a dimension sharded over tp is all-reduced (MAX)
 over the tp group, so every rank quantizes with the scale the unsharded tensor would get and
@@ -34,9 +38,10 @@ parallelism gathers them first).
 There is no scaling state: scales are computed from the tensors of each step, so
 checkpoints, snapshots and live reshards carry nothing for FP8.
 
-CUDA needs compute capability 8.9 or newer. On CPU `torch._scaled_mm` runs the same math
-(the CPU tests use it); tensorwise quantization on CUDA runs as two Triton kernels
-(fp8_kernels.py), the rest as torch operations.
+CUDA needs compute capability 8.9 or newer. On CPU the same quantization runs, and the
+GEMMs multiply the dequantized operands in fp32 (`emulated_mm`: the bits of torch's CPU
+`_scaled_mm`, which is too slow to train with); tensorwise quantization on CUDA runs as two
+Triton kernels (fp8_kernels.py), the rest as torch operations.
 """
 
 from __future__ import annotations
@@ -156,13 +161,11 @@ def scaled_mm(a, a_inv, b, b_inv, out_dtype: torch.dtype, fast_accum=False, bias
     float8. CUDA's row-wise kernel writes bf16 only; other dtypes are cast from it. The bias
     goes into the GEMM's epilogue where the kernel takes it (tensorwise; on CUDA a bf16 bias
     and output). `fast_accum`: the GPU's faster fp8 accumulation (the forward GEMM only, as
-    is usual)."""
-    dtype = out_dtype
-    if a.is_cuda and a_inv.numel() > 1 and out_dtype != torch.bfloat16:
-        dtype = torch.bfloat16
-    fused_bias = bias is not None and a_inv.numel() == 1
-    if a.is_cuda and not (bias is not None and bias.dtype == dtype == torch.bfloat16):
-        fused_bias = False
+    is usual). CPU: `emulated_mm`."""
+    if not a.is_cuda:
+        return emulated_mm(a, a_inv, b, b_inv, out_dtype, bias)
+    dtype = torch.bfloat16 if a_inv.numel() > 1 else out_dtype
+    fused_bias = bias is not None and a_inv.numel() == 1 and bias.dtype == dtype == torch.bfloat16
     y = torch._scaled_mm(
         a,
         b,
@@ -174,6 +177,17 @@ def scaled_mm(a, a_inv, b, b_inv, out_dtype: torch.dtype, fast_accum=False, bias
     )
     y = y if dtype == out_dtype else y.to(out_dtype)
     return y + bias if bias is not None and not fused_bias else y
+
+
+def emulated_mm(a, a_inv, b, b_inv, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """The CPU's scaled matmul: the dequantized operands (exact: power-of-two scales)
+    multiplied in fp32, the bias added in fp32, one rounding to `out_dtype`. torch's CPU
+    `_scaled_mm` computes the same bits (a test checks it) but by a plain loop, seconds for
+    a 512 x 512 x 128 GEMM, so megadyn's CPU runs take this path."""
+    y = (a.float() * a_inv) @ (b.float() * b_inv)  # [m, n] fp32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def _col_major(q: torch.Tensor) -> torch.Tensor:
