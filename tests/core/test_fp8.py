@@ -116,6 +116,8 @@ def loss_and_grads(cfg, layout, rank_list):
             dist.all_reduce(p.grad, group=groups.tp_group)
     grads = gather_global(model, {n: p.grad for n, p in model.named_parameters()}, groups.tp_group)
     groups.destroy()
+    # no fp8 state: the state dict (what checkpoints and reshards carry) is the parameters'
+    assert list(model.state_dict()) == [n for n, _ in model.named_parameters()]
     return loss.detach(), grads
 
 
