@@ -1,6 +1,6 @@
 """Time live layout changes against the checkpoint path, on GPUs (one JSON line per change).
 
-    torchrun --nproc-per-node 4 tools/bench_reshard.py --changes dp4 tp2xdp2 tp2xpp2 --ckpt-dir /tmp/ck
+    torchrun --nproc-per-node 4 tools/bench_reshard.py --changes dp4 tp2xdp2 cp2xdp2 tp2xpp2 --ckpt-dir /tmp/ck
 
 Trains the 1.42 B reference model (bf16, distributed optimizer, mock data) under tp2 x pp2, then
 for each change: saves a torch.distributed.checkpoint of the whole training state (timed), changes
@@ -23,7 +23,7 @@ from megadyn.launch.distributed_init import init_distributed
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--changes", nargs="+", default=["dp4", "tp2xdp2", "tp2xpp2"])
+    p.add_argument("--changes", nargs="+", default=["dp4", "tp2xdp2", "cp2xdp2", "tp2xpp2"])
     p.add_argument("--ckpt-dir", default="/tmp/megadyn_reshard_ckpt")
     p.add_argument("--tiny", action="store_true", help="a tiny model (a CPU smoke run)")
     a = p.parse_args()

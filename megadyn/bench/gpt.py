@@ -12,6 +12,7 @@ reference script's fields and FLOPs formula, so numbers compare across framework
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -56,6 +57,13 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     # megadyn-only switches
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument(
+        "--num-distributed-optimizer-instances",
+        dest="distopt_instances",
+        type=int,
+        default=1,
+        help="copies of the distributed optimizer's state, each sharded over dp / N ranks",
+    )
     p.add_argument(
         "--no-overlap-param-gather",
         action="store_true",
@@ -145,6 +153,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
             sequence_parallel=a.sp,
             overlap_grad_reduce=not a.no_overlap_grad_reduce,
             overlap_param_gather=not a.no_overlap_param_gather,
+            num_distributed_optimizer_instances=a.distopt_instances,
         ),
         training=TrainingConfig(
             micro_batch_size=a.mbs,
@@ -212,6 +221,7 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
         torch._C._set_sm_carveout_experimental(a.gemm_sm_carveout)
     world = dist.get_world_size()
     layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp)
+    layout = dataclasses.replace(layout, distopt_instances=a.distopt_instances)  # or refused
     groups = ParallelGroups.build(layout, range(world))
     cfg = job_config(a)
     parts = build_model_parts(cfg, cfg.model, groups, device)
@@ -256,6 +266,7 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         pp=a.pp,
         vpp=a.vpp,
         dp=dp,
+        distopt_instances=a.distopt_instances,
         sp=a.sp,
         cuda_graph=a.cuda_graph,
         tp_comm_overlap=a.tp_comm_overlap,

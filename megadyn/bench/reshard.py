@@ -37,13 +37,12 @@ MODEL = (
 
 
 def layout_of(name: str, world: int) -> Layout:
-    tp = pp = 1
+    """The layout named like "tp2xpp2" or "cp2xdp2" over `world` ranks (dp fills the rest)."""
+    degrees = {"tp": 1, "cp": 1, "pp": 1}
     for part in name.split("x"):
-        if part.startswith("tp"):
-            tp = int(part[2:])
-        elif part.startswith("pp"):
-            pp = int(part[2:])
-    return Layout.from_world(world, tp, pp)
+        if part[:2] in degrees:
+            degrees[part[:2]] = int(part[2:])
+    return Layout.from_world(world, degrees["tp"], degrees["pp"], cp=degrees["cp"])
 
 
 def p2p_bandwidth(device, nbytes=1 << 30) -> float:

@@ -10,6 +10,11 @@ group (the ranks that hold the same weights: gradient reduction and the distribu
 shards). With cp = 1 neither is created: `cp_group` is None and `dp_cp_group` is `dp_group`, so
 a layout without cp creates exactly the groups it always did.
 
+With `layout.distopt_instances` N > 1 (--num-distributed-optimizer-instances) two more kinds
+come last: the intra-instance groups (dp x cp / N consecutive ranks that shard one copy of the
+optimizer) and the inter-instance groups (the N ranks holding the same shard). With N = 1
+neither is created: `intra_distopt_group` is `dp_cp_group` and `inter_distopt_group` is None.
+
 Processes that are not members of the layout (standby processes) get an object with
 `is_member == False` and no groups.
 
@@ -60,6 +65,10 @@ class ParallelGroups:
     """The ranks that split each sequence (None with cp = 1)."""
     dp_cp_group: object = None
     """dp x cp ranks holding the same weights: gradients reduce, ZeRO shards over it."""
+    intra_distopt_group: object = None
+    """The ranks of this rank's distributed-optimizer instance (`dp_cp_group` with N = 1)."""
+    inter_distopt_group: object = None
+    """The ranks holding the same optimizer shard in the other instances (None with N = 1)."""
     members_group: object = None
     """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
     tp_ranks: list[int] = field(default_factory=list)
@@ -68,6 +77,8 @@ class ParallelGroups:
     embedding_ranks: list[int] = field(default_factory=list)
     cp_ranks: list[int] = field(default_factory=list)
     dp_cp_ranks: list[int] = field(default_factory=list)
+    intra_distopt_ranks: list[int] = field(default_factory=list)
+    inter_distopt_ranks: list[int] = field(default_factory=list)
     comm: CommResources = field(default_factory=CommResources)
     """Streams and workspaces of this layout's overlapped communication (comm_resources.py)."""
     _owned: list = field(default_factory=list)
@@ -108,6 +119,11 @@ class ParallelGroups:
         ]
         if layout.cp > 1:  # after the others: cp = 1 layouts draw the same group names as ever
             kinds += [("cp", grid.cp_groups()), ("dp_cp", grid.dp_cp_groups())]
+        if layout.distopt_instances > 1:  # last, for the same reason
+            kinds += [
+                ("intra_distopt", grid.intra_distopt_groups()),
+                ("inter_distopt", grid.inter_distopt_groups()),
+            ]
         for kind, all_groups in kinds:
             for ranks in all_groups:  # every process creates every group, in one order
                 group = _new_group(ranks, backend, timeout)
@@ -118,6 +134,8 @@ class ParallelGroups:
                         setattr(pg, f"{kind}_ranks", ranks)
         if layout.cp == 1 and pg.is_member:
             pg.dp_cp_group, pg.dp_cp_ranks = pg.dp_group, pg.dp_ranks
+        if layout.distopt_instances == 1 and pg.is_member:
+            pg.intra_distopt_group, pg.intra_distopt_ranks = pg.dp_cp_group, pg.dp_cp_ranks
         group = _new_group(list(members), "gloo", timeout)
         if pg.is_member:
             pg._owned.append(group)
@@ -153,6 +171,10 @@ class ParallelGroups:
     @property
     def dp_cp_size(self) -> int:
         return self.layout.dp * self.layout.cp
+
+    @property
+    def distopt_instances(self) -> int:
+        return self.layout.distopt_instances
 
     @property
     def tp_size(self) -> int:
@@ -192,6 +214,8 @@ class ParallelGroups:
             self.embedding_group,
             self.cp_group,
             None if self.layout.cp == 1 else self.dp_cp_group,
+            self.inter_distopt_group,
+            None if self.distopt_instances == 1 else self.intra_distopt_group,
         ):
             if group is not None:
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
@@ -221,3 +245,4 @@ class ParallelGroups:
         self.tp_group = self.dp_group = self.pp_group = self.mp_group = None
         self.embedding_group = self.members_group = None
         self.cp_group = self.dp_cp_group = None
+        self.intra_distopt_group = self.inter_distopt_group = None

@@ -18,6 +18,7 @@ torch.distributed (see `groups.py` for that).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -52,6 +53,10 @@ class Layout:
     """Shard activations outside the tensor-parallel regions along the sequence (--sequence-parallel)."""
     cp: int = 1
     """Context-parallel size: ranks that split each sequence (--context-parallel-size)."""
+    distopt_instances: int = 1
+    """Copies of the distributed optimizer (--num-distributed-optimizer-instances): the dp x cp
+    ranks of a (tp, pp) coordinate form this many instances of consecutive ranks; each instance
+    shards the optimizer state over its ranks, so every shard is held once per instance."""
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -60,6 +65,7 @@ class Layout:
             ("dp", "--data-parallel-size"),
             ("vpp", "--num-layers-per-virtual-pipeline-stage"),
             ("cp", "--context-parallel-size"),
+            ("distopt_instances", "--num-distributed-optimizer-instances"),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -74,6 +80,17 @@ class Layout:
                 "--sequence-parallel needs --tensor-model-parallel-size > 1 "
                 "(with tp 1 there is nothing to shard the sequence over)"
             )
+        if (self.dp * self.cp) % self.distopt_instances:
+            raise LayoutError(
+                f"--num-distributed-optimizer-instances ({self.distopt_instances}) must divide "
+                f"the data-parallel size ({self.dp}) x --context-parallel-size ({self.cp})"
+            )
+
+    def with_distopt_instances(self, requested: int) -> Layout:
+        """This layout with `requested` optimizer instances where they divide dp x cp, else
+        with one (no replicated shards); `distopt_instances` says which it got."""
+        fits = requested < 1 or (self.dp * self.cp) % requested == 0  # < 1: refused by name
+        return dataclasses.replace(self, distopt_instances=requested if fits else 1)
 
     @property
     def world_size(self) -> int:
@@ -282,6 +299,19 @@ class RankGrid:
 
     def pp_groups(self) -> list[list[int]]:
         return self._groups("pp")
+
+    def intra_distopt_groups(self) -> list[list[int]]:
+        """The ranks of one distributed-optimizer instance: each dp x cp group cut into
+        `distopt_instances` runs of consecutive ranks. The optimizer state is sharded over
+        them, gradients are reduce-scattered and parameters all-gathered within them."""
+        size = self.layout.dp * self.layout.cp // self.layout.distopt_instances
+        return [g[i : i + size] for g in self.dp_cp_groups() for i in range(0, len(g), size)]
+
+    def inter_distopt_groups(self) -> list[list[int]]:
+        """The ranks that hold the same optimizer shard, one per instance: the shard's
+        gradients are all-reduced over them after the reduce-scatter."""
+        size = self.layout.dp * self.layout.cp // self.layout.distopt_instances
+        return [g[i::size] for g in self.dp_cp_groups() for i in range(size)]
 
     def mp_groups(self) -> list[list[int]]:
         """Model-parallel groups: all tp x pp ranks of one (dp, cp) coordinate."""

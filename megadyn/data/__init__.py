@@ -6,6 +6,7 @@ This package imports nothing else from megadyn; the trainer hands it dp_rank / d
 
 from megadyn.data.blended_dataset import BlendedDataset, parse_data_path
 from megadyn.data.default_corpus import prepare_default_data
+from megadyn.data.documents import DocumentMasking
 from megadyn.data.gpt_dataset import GPTDataset, build_gpt_datasets, parse_split
 from megadyn.data.indexed_dataset import (
     IndexedDataset,
@@ -22,6 +23,7 @@ from megadyn.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 __all__ = [
     "TOKENIZER_TYPES",
     "BlendedDataset",
+    "DocumentMasking",
     "GPTDataset",
     "GlobalSampleOrder",
     "IndexedDataset",

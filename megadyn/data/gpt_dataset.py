@@ -11,6 +11,9 @@ count needs (see gpt_indices.py). Item i is a dict of torch tensors, each of sha
                            token is a target the model learns like any other
     position_ids  int64    0 .. seq_length - 1 (positions are not reset at EOD)
 
+(--reset-position-ids, --reset-attention-mask and --eod-mask-loss act on collated micro batches
+in the loader: documents.py.)
+
     train, valid, test = build_gpt_datasets(["0.3", "data/a", "0.7", "data/b"], "969,30,1",
                                             seq_length=2048, seed=1234,
                                             num_samples=(16000, 160, 16), cache_dir=None,

@@ -10,12 +10,14 @@ seed) (see sampler.py), so after a change of data-parallel size at a global-batc
 trainer builds new loaders at the same `consumed_samples` and the global order of samples goes on
 unchanged. With `num_workers > 0`, a thread pool computes the next micro batches ahead of use;
 results are still taken in cursor order, so prefetching never changes what is returned. Setting
-`consumed_samples` drops whatever was prefetched.
+`consumed_samples` drops whatever was prefetched. A `transform` (the document masking of
+documents.py) is applied to each collated micro batch; it never changes which samples are read.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -44,11 +46,13 @@ class MicroBatchLoader:
         num_workers: int = 0,
         seed: int = 0,
         prefetch_factor: int = 2,
+        transform: Callable[[dict], dict] | None = None,
     ) -> None:
         micro_batch_indices(consumed_samples, dp_rank, dp_size, micro_batch_size)  # validate
         self.dataset = dataset
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.order = GlobalSampleOrder(len(dataset), seed)
+        self.transform = transform
         self._consumed = consumed_samples
         self._depth = max(1, num_workers * prefetch_factor)
         self._pool = ThreadPoolExecutor(num_workers, "megadyn-data") if num_workers > 0 else None
@@ -76,7 +80,8 @@ class MicroBatchLoader:
         indices = micro_batch_indices(
             consumed_samples, self.dp_rank, self.dp_size, self.micro_batch_size
         )
-        return collate([self.dataset[self.order(g)] for g in indices])
+        batch = collate([self.dataset[self.order(g)] for g in indices])
+        return batch if self.transform is None else self.transform(batch)
 
     def __iter__(self) -> MicroBatchLoader:
         return self

@@ -10,7 +10,11 @@ Keys (global names, the same as the checkpoint's, DESIGN section 3):
                                              pieces as the weight (replicated over dp and
                                              cp); with it the flat range of the tp/pp-local
                                              piece that `plan_buckets` gives this rank among
-                                             the dp x cp ranks holding the weight
+                                             the ranks of its optimizer instance (all dp x cp
+                                             ranks holding the weight, or 1/N of them under
+                                             `layout.distopt_instances` N: the rank at the
+                                             same place in each other instance holds the
+                                             same range, a replica the planner may read)
     scalar.*                                 small replicated tensors a caller names (`scalars`);
                                              the job's layout-free scalars (progress, schedule,
                                              loss scale) travel as megadyn/training/state.py's
@@ -87,6 +91,16 @@ class StateDescription:
 
     def held(self, rank: int) -> dict[str, HeldPiece]:
         return {p.key: p for p in self.pieces.get(rank, [])}
+
+    def replicas(self, rank: int) -> dict[str, list[int]]:
+        """Per key that `rank` holds, the other ranks holding the same piece (data-parallel
+        copies of a weight, other instances' copies of an optimizer shard): where its state
+        can be read from when `rank` is gone. An empty list: `rank` holds the only copy."""
+        holders: dict[HeldPiece, list[int]] = {}
+        for other, pieces in self.pieces.items():
+            for p in pieces:
+                holders.setdefault(p, []).append(other)
+        return {p.key: [r for r in holders[p] if r != rank] for p in self.pieces.get(rank, [])}
 
 
 @lru_cache(maxsize=16)
@@ -167,6 +181,7 @@ def describe(
         tensors[key] = TensorInfo(tuple(shape), dtype)
 
     pieces: dict[int, list[HeldPiece]] = {r: [] for r in grid.members}
+    per_instance = layout.dp * layout.cp // layout.distopt_instances  # ranks sharing one copy
     tied = not cfg.untie_embeddings_and_output_weights
     for p in range(layout.pp):
         for c in range(layout.vpp):
@@ -177,7 +192,7 @@ def describe(
                 if distopt is not None:
                     numels = [math.prod(x.sizes) for x in tp_pieces]
                     separate = [tied and n == WORD_EMBEDDING for n in names]
-                    flat = _flat_ranges(numels, layout.dp * layout.cp, distopt, separate)
+                    flat = _flat_ranges(numels, per_instance, distopt, separate)
                 for shard in range(layout.dp * layout.cp):  # dp x cp ranks, cp fastest
                     coords = Coords(tp=t, dp=shard // layout.cp, pp=p, cp=shard % layout.cp)
                     held = pieces[grid.rank_of(coords)]
@@ -185,7 +200,7 @@ def describe(
                         numel = math.prod(piece.sizes)
                         box = (piece.offsets, piece.sizes)
                         held.append(HeldPiece(f"model.{name}", *box, 0, numel, piece.local_shape))
-                        start, end = (0, numel) if flat is None else flat[i][shard]
+                        start, end = (0, numel) if flat is None else flat[i][shard % per_instance]
                         if flat is not None and start == end:
                             continue  # this rank owns no part of the param's optimizer state
                         shape = piece.local_shape if flat is None else (end - start,)

@@ -57,9 +57,11 @@ def format_event(event: dict) -> str:
 
 
 def describe_layout(layout: Layout) -> str:
-    """tp2xpp2xdp1, with xcp2, xvpp2 and +sp when they apply."""
+    """tp2xpp2xdp1, with xcp2, xvpp2, +sp and +2opt (distributed-optimizer instances) when
+    they apply."""
     cp = f"xcp{layout.cp}" if layout.cp > 1 else ""
     s = f"tp{layout.tp}{cp}xpp{layout.pp}xdp{layout.dp}"
     if layout.vpp > 1:
         s += f"xvpp{layout.vpp}"
-    return s + ("+sp" if layout.sequence_parallel else "")
+    s += "+sp" if layout.sequence_parallel else ""
+    return s + (f"+{layout.distopt_instances}opt" if layout.distopt_instances > 1 else "")

@@ -57,7 +57,8 @@ def memory_gib(
     params = num_params(cfg) / (layout.tp * layout.pp)
     state = 2 + 4  # bf16 weight + fp32 gradient buffer
     fp32_state = 12  # main weight + exp_avg + exp_avg_sq
-    per_param = state + (fp32_state / layout.dp if distributed_optimizer else fp32_state)
+    shards = max(1, layout.dp // layout.distopt_instances)  # ranks sharing one optimizer copy
+    per_param = state + (fp32_state / shards if distributed_optimizer else fp32_state)
     s, b, h = seq_length, micro_batch_size, cfg.hidden_size
     tp = layout.tp
     # bytes per layer per micro batch (Korthikanti et al., flash attention: no s^2 term)

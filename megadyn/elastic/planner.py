@@ -13,12 +13,17 @@ assigned largest first to the replica that keeps the largest per-rank send lowes
 source on the destination's host when that does not raise it. `plan.baseline` always reads from
 the lowest-ranked holder; the plan is never worse than it (it falls back to lowest-ranked-with-
 local-copies when the greedy choice would be).
+
+`exclude` names old ranks that cannot send (a process that died): every fragment is then read
+from another holder, a data-parallel copy of a weight or a replica of an optimizer shard
+(--num-distributed-optimizer-instances), and a fragment that only excluded ranks hold is a
+PlanError naming the tensor.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -134,10 +139,15 @@ def _atoms(holders: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tup
     return out
 
 
-def _fragments(old: StateDescription, new: StateDescription) -> list[_Fragment]:
-    """Every (new rank, piece) cut into fragments that each lie in one atom of the old pieces."""
+def _fragments(
+    old: StateDescription, new: StateDescription, exclude: frozenset[int] = frozenset()
+) -> list[_Fragment]:
+    """Every (new rank, piece) cut into fragments that each lie in one atom of the pieces of
+    the old ranks not in `exclude`."""
     rects: dict[str, dict[tuple, list[tuple[int, int, int]]]] = {}
     for rank, pieces in old.pieces.items():
+        if rank in exclude:
+            continue
         for p in pieces:
             if p.numel:
                 rects.setdefault(p.key, {}).setdefault((p.offsets, p.sizes), []).append(
@@ -152,9 +162,10 @@ def _fragments(old: StateDescription, new: StateDescription) -> list[_Fragment]:
                 itemsize = new.tensors[p.key].itemsize
                 covered = _cut(p, dst, itemsize, atoms.get(p.key, {}), segments, p.key, out)
                 if covered != p.numel:
+                    gone = f" (ranks {sorted(exclude)} excluded)" if exclude else ""
                     raise PlanError(
                         f"{p.key}: rank {dst} needs {p.numel} elements but old ranks hold only "
-                        f"{covered} of them"
+                        f"{covered} of them{gone}"
                     )
     return out
 
@@ -266,9 +277,11 @@ def plan_between(
     old: StateDescription,
     new: StateDescription,
     hosts: Mapping[int, Hashable] | None = None,
+    exclude: Collection[int] = (),
 ) -> Plan:
-    """The reshard plan from one described state to another."""
-    fragments = _fragments(old, new)
+    """The reshard plan from one described state to another, reading nothing from the old
+    ranks in `exclude`."""
+    fragments = _fragments(old, new, frozenset(exclude))
     baseline = Plan(_assign(fragments, _lowest(False)), old, new, "lowest-rank", hosts=hosts)
     plan = Plan(_assign(fragments, _balanced_chooser(hosts)), old, new, "balanced", hosts=hosts)
     if plan.max_send > baseline.max_send:
@@ -287,9 +300,11 @@ def plan_reshard(
     hosts: Mapping[int, Hashable] | None = None,
     old_distopt: DistOpt | bool | None = None,
     new_distopt: DistOpt | bool | None = None,
+    exclude: Collection[int] = (),
     **describe_kwargs,
 ) -> Plan:
-    """Plan the move of the whole training state from one layout to another."""
+    """Plan the move of the whole training state from one layout to another (sources other
+    than the old ranks in `exclude`)."""
     old = describe(cfg, old_layout, old_members, distopt=old_distopt, **describe_kwargs)
     new = describe(cfg, new_layout, new_members, distopt=new_distopt, **describe_kwargs)
-    return plan_between(old, new, hosts)
+    return plan_between(old, new, hosts, exclude)

@@ -40,6 +40,7 @@ def resolve_request(request: Request, model_cfg, cfg, groups, live: list[int], c
         if request.dp is not None:
             n = tp * cp * pp * request.dp
         layout = Layout.from_world(n, tp, pp, request.vpp, request.sp, cp=cp)
+        layout = with_job_instances(layout, cfg)
     else:  # scale
         n = request.members
         layout = layout_for_count(n, model_cfg, cfg, groups, cost=cost)
@@ -84,9 +85,16 @@ def layout_for_count(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
     pinned`, the layout planner's choice under `auto` (LayoutError when none fits)."""
     old = groups.layout
     if cfg.elastic.layout == "pinned":
-        return Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel, cp=old.cp)
+        layout = Layout.from_world(n, old.tp, old.pp, old.vpp, old.sequence_parallel, cp=old.cp)
+        return with_job_instances(layout, cfg)
     device_type = "cuda" if groups.backend == "nccl" else "cpu"
     return plan_layout(model_cfg, cfg, n, device_type=device_type, cost=cost)
+
+
+def with_job_instances(layout: Layout, cfg) -> Layout:
+    """`layout` with the job's --num-distributed-optimizer-instances where they divide its
+    dp x cp, else one instance (the trainer logs the fallback when it builds the layout)."""
+    return layout.with_distopt_instances(cfg.parallel.num_distributed_optimizer_instances)
 
 
 def _check_min_members(n: int, cfg) -> None:
@@ -99,7 +107,7 @@ def plan_layout(model_cfg, cfg, num_members: int, *, device_type: str, cost=None
     size and recomputation (a scale request, and a restart whose world the job's layout does
     not fit); raises LayoutError when none fits."""
     t = cfg.training
-    return (
+    layout = (
         LayoutPlanner(
             model_cfg,
             global_batch_size=t.global_batch_size,
@@ -112,6 +120,7 @@ def plan_layout(model_cfg, cfg, num_members: int, *, device_type: str, cost=None
         .choose(num_members)
         .layout
     )
+    return with_job_instances(layout, cfg)
 
 
 def validate_for(layout: Layout, model_cfg, cfg) -> None:

@@ -39,6 +39,10 @@ class GPTConfig:
     """'learned_absolute' (GPT-2) or 'rope' (Llama) (--position-embedding-type)."""
     rotary_base: float = 10000.0
     """RoPE base frequency (--rotary-base)."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each end-of-document token of a packed sample
+    (--reset-position-ids): the data path resets each sample's position_ids, and learned
+    position embeddings and rotary tables both follow them."""
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm' (--normalization)."""
     norm_epsilon: float = 1e-5

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megadyn.core.context_parallel import all_reduce_sum, local_positions
-from megadyn.core.layout import chunk_layer_range
+from megadyn.core.layout import LayoutError, chunk_layer_range
 from megadyn.core.recompute import RecomputeConfig, run_layers
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -31,6 +31,7 @@ from megadyn.core.tensor_parallel import (
     vocab_range,
 )
 from megadyn.models.config import GPTConfig
+from megadyn.models.document_attention import DocumentMask
 from megadyn.models.sharding import init_global, param_specs, tp_piece
 from megadyn.models.transformer import Norm, TransformerLayer, hidden_dropout, rope_tables
 
@@ -169,10 +170,16 @@ class GPTModel(nn.Module):
         cp = group_size(self.cp_group)
         return local_positions(seq_len * cp, group_rank(self.cp_group), cp, device)
 
-    def rope(self, seq_len: int, device) -> tuple | None:
-        """Rotary tables of this rank's `seq_len` tokens (their global positions under cp)."""
+    def rope(self, seq_len: int, device, position_ids=None) -> tuple | None:
+        """Rotary tables of this rank's `seq_len` tokens (their global positions under cp); of
+        each sample's `position_ids` [b, s] under --reset-position-ids."""
         if self.cfg.position_embedding_type != "rope":
             return None
+        if self.cfg.reset_position_ids and position_ids is not None:
+            cfg = self.cfg
+            return rope_tables(
+                seq_len, cfg.head_dim, cfg.rotary_base, device, cfg.params_dtype, position_ids
+            )
         if (
             self._rope_cache is None
             or self._rope_cache[0].shape[0] != seq_len
@@ -188,19 +195,25 @@ class GPTModel(nn.Module):
             )
         return self._rope_cache
 
-    def forward(self, tokens=None, position_ids=None, labels=None, hidden_states=None):
+    def forward(
+        self, tokens=None, position_ids=None, labels=None, hidden_states=None, document_ids=None
+    ):
         """Returns per-token loss [b, s] (last stage, with labels), logits [s, b, V/tp] (last
         stage, no labels) or hidden states [s(/tp), b, h] (other stages). Under context
         parallelism the tokens are this rank's part of the sequence (context_parallel's
-        `split_batch`) and `position_ids`, if given, their global positions."""
+        `split_batch`) and `position_ids`, if given, their global positions. `document_ids`
+        [b, S] (--reset-attention-mask; the whole sequence's under cp) keeps attention within
+        each document."""
         if self.pre_process and position_ids is None and self.cp_group is not None:
             position_ids = self.local_positions(tokens.shape[1], tokens.device).expand_as(tokens)
         x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         seq_len = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         layers = list(self.decoder.layers.values())
-        x = run_layers(
-            layers, x, self.recompute_cfg, self.tracker, rope=self.rope(seq_len, x.device)
-        )
+        documents = None
+        if document_ids is not None:
+            documents = DocumentMask.build(document_ids, context_parallel=self.cp_group is not None)
+        rope = self.rope(seq_len, x.device, position_ids)
+        x = run_layers(layers, x, self.recompute_cfg, self.tracker, rope=rope, documents=documents)
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
@@ -236,22 +249,35 @@ def build_gpt_chunks(
     tracker: RNGTracker | None = None,
     seed: int | None = None,
     device=None,
+    stage_layers: tuple[range, ...] | None = None,
 ) -> list[GPTModel]:
-    """The model chunks this rank runs under `groups.layout` (one per virtual stage)."""
+    """The model chunks this rank runs under `groups.layout` (one per virtual stage).
+    `stage_layers` (one range per pipeline stage, no virtual stages) replaces the layout's even
+    split: a pipeline template's stages (megadyn/core/hetero_layout.py)."""
     layout = groups.layout
+    if stage_layers is not None and (len(stage_layers) != layout.pp or layout.vpp != 1):
+        raise LayoutError(
+            f"{len(stage_layers)} stage layer ranges for a pipeline of {layout.pp} stages "
+            f"x {layout.vpp} virtual stages (templates have no virtual stages)"
+        )
     layout.validate(
-        num_layers=cfg.num_layers,
+        # uneven template stages need no divisibility: ranges checked by HeteroLayout
+        num_layers=cfg.num_layers if stage_layers is None else layout.pp,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
     )
     chunks = []
     for c in range(layout.vpp):
+        if stage_layers is None:
+            layer_range = chunk_layer_range(layout, cfg.num_layers, groups.pp_rank, c)
+        else:
+            layer_range = stage_layers[groups.pp_rank]
         chunk = GPTModel(
             cfg,
             tp_group=groups.tp_group,
             cp_group=groups.cp_group,
             sequence_parallel=layout.sequence_parallel,
-            layer_range=chunk_layer_range(layout, cfg.num_layers, groups.pp_rank, c),
+            layer_range=layer_range,
             pre_process=groups.pp_rank == 0 and c == 0,
             post_process=groups.pp_rank == layout.pp - 1 and c == layout.vpp - 1,
             recompute_cfg=recompute_cfg,

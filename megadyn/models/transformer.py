@@ -27,6 +27,7 @@ from megadyn.core.tensor_parallel import (
 )
 from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
+from megadyn.models.document_attention import DocumentMask, document_attention
 
 
 class Norm(nn.Module):
@@ -53,19 +54,22 @@ class Norm(nn.Module):
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positions=None):
     """cos and sin tables [s, d] for rotary embeddings (halves rotated, as Megatron and Llama)
-    of positions 0 .. seq_len - 1, or of `positions` [s] (a context-parallel rank's tokens)."""
+    of positions 0 .. seq_len - 1, or of `positions` [s] (a context-parallel rank's tokens);
+    [b, 1, s, d] for per-sample `positions` [b, s] (--reset-position-ids)."""
     inv = 1.0 / (
         base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
     if positions is None:
         positions = torch.arange(seq_len, device=device)
-    freqs = torch.outer(positions.to(device=device, dtype=torch.float32), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)  # [s, d]
+    freqs = positions.to(device=device, dtype=torch.float32).unsqueeze(-1) * inv  # [(b,) s, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [(b,) s, d]
+    if emb.dim() == 3:
+        emb = emb.unsqueeze(1)  # [b, 1, s, d]: broadcast over heads
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, n, s, d]; cos, sin [s, d]."""
+    """x [b, n, s, d]; cos, sin [s, d] or [b, 1, s, d]."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
@@ -73,7 +77,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class SelfAttention(nn.Module):
     """Causal self-attention; under context parallelism (`cp_group` of size > 1) over the
-    whole sequence, whose other chunks the other cp ranks hold."""
+    whole sequence, whose other chunks the other cp ranks hold; within documents when given a
+    `DocumentMask` (--reset-attention-mask)."""
 
     def __init__(
         self,
@@ -105,13 +110,20 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv, tp_group, **kw)
         self.linear_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, **kw)
 
-    def core_attention(self, q, k, v):
+    def core_attention(self, q, k, v, documents: DocumentMask | None = None):
         """softmax(q k^T / sqrt(d)) v, causal; q [b, n, s, d], k and v [b, g, s, d]."""
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cp_group is not None:
             if p > 0.0:
                 raise ValueError("--attention-dropout must be 0 with --context-parallel-size > 1")
-            return context_parallel_attention(q, k, v, self.cp_group, self.cfg.cp_comm_type)
+            ids = None if documents is None else documents.document_ids
+            return context_parallel_attention(
+                q, k, v, self.cp_group, self.cfg.cp_comm_type, document_ids=ids
+            )
+        if documents is not None:
+            if p > 0.0:
+                raise ValueError("--attention-dropout must be 0 with --reset-attention-mask")
+            return document_attention(q, k, v, documents)
         gqa = self.groups != self.heads
         fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         with fork or contextlib.nullcontext(), attention_kernels(self.cfg.attention_backend, q):
@@ -120,7 +132,9 @@ class SelfAttention(nn.Module):
                 q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
             )
 
-    def forward(self, x: torch.Tensor, rope=None, recompute_core: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope=None, recompute_core: bool = False, documents=None
+    ) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
@@ -131,9 +145,9 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if recompute_core and torch.is_grad_enabled():
-            out = recompute(self.core_attention, q, k, v, tracker=self.tracker)
+            out = recompute(self.core_attention, q, k, v, documents, tracker=self.tracker)
         else:
-            out = self.core_attention(q, k, v)  # [b, n, s, d]
+            out = self.core_attention(q, k, v, documents)  # [b, n, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, h/tp]
         return self.linear_proj(out)
 
@@ -202,9 +216,9 @@ class TransformerLayer(nn.Module):
             x, self.cfg.hidden_dropout, self.training, self.sequence_parallel, self.tracker
         )
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, documents=None) -> torch.Tensor:
         x = x + self.dropout(
-            self.self_attention(self.input_layernorm(x), rope, self.recompute_core)
+            self.self_attention(self.input_layernorm(x), rope, self.recompute_core, documents)
         )
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 

@@ -78,7 +78,7 @@ def _worker(rank, world, port, fn, args, queue, timeout_s):
             dist.destroy_process_group()
 
 
-def spawn(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> list:
+def spawn(fn, world: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """Run `fn(rank, world, *args)` on `world` processes; return each rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

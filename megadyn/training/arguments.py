@@ -110,6 +110,7 @@ def _add_network_args(p: argparse.ArgumentParser) -> None:
     m("--max-position-embeddings", type=int, default=None)
     m("--position-embedding-type", choices=["learned_absolute", "rope"])
     m("--rotary-base", type=int, default=10000)
+    m("--reset-position-ids", action="store_true")
     m("--normalization", choices=["LayerNorm", "RMSNorm"])
     m("--norm-epsilon", type=float)
     m("--disable-bias-linear", "add_bias_linear", action="store_false")
@@ -147,6 +148,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
+    par("--num-distributed-optimizer-instances", type=int)
     par("--distributed-timeout-minutes", type=int)
     _add_elastic_args(p)
 
@@ -236,6 +238,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     d("--vocab-size", type=int)
     d("--num-workers", type=int)
     d("--data-cache-path")
+    d("--reset-attention-mask", action="store_true")
+    d("--eod-mask-loss", action="store_true")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:

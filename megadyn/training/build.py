@@ -22,7 +22,7 @@ from megadyn.core.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megadyn.core.pipeline import PipelineConfig
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.models import GPTConfig, build_gpt_chunks
-from megadyn.training.config import MegadynConfig
+from megadyn.training.config import ConfigError, MegadynConfig
 
 
 @dataclass
@@ -42,12 +42,25 @@ class ModelParts:
 
 
 def build_model_parts(
-    cfg: MegadynConfig, model_cfg: GPTConfig, groups, device, *, init_weights: bool = True
+    cfg: MegadynConfig,
+    model_cfg: GPTConfig,
+    groups,
+    device,
+    *,
+    init_weights: bool = True,
+    stage_layers: tuple[range, ...] | None = None,
 ) -> ModelParts:
     """Seed the RNG streams, then build `model_cfg`'s chunks for this rank of `groups`, their
     DDP wrappers, the optimizer and the pipeline config. Without `init_weights` the weights are
-    left uninitialized (they come from a reshard or a checkpoint)."""
+    left uninitialized (they come from a reshard or a checkpoint). `stage_layers`: the stages
+    of a pipeline template, `groups` being its replica's (megadyn/core/hetero_groups.py); the
+    gradients are then summed across replicas by `reduce_hetero_grads`, not by DDP."""
     t, p = cfg.training, cfg.parallel
+    if stage_layers is not None and cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError(
+            "--use-distributed-optimizer does not work with replicas of different pipeline "
+            "depth yet (its shards would have to follow each layer range's reduce group)"
+        )
     seed_default_generator(t.seed, groups.pp_rank, device)
     tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, device)
     chunks = build_gpt_chunks(
@@ -57,6 +70,7 @@ def build_model_parts(
         tracker=tracker,
         seed=t.seed if init_weights else None,
         device=device,
+        stage_layers=stage_layers,
     )
     ddp = [
         DistributedDataParallel(
@@ -66,6 +80,8 @@ def build_model_parts(
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
             bucket_size=default_bucket_size(p.overlap_grad_reduce, groups.dp_cp_size),
+            shard_group=groups.intra_distopt_group,  # --num-distributed-optimizer-instances
+            replica_group=groups.inter_distopt_group,
         )
         for c in chunks
     ]

@@ -85,6 +85,11 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the next forward
     (--overlap-param-gather)."""
+    num_distributed_optimizer_instances: int = 1
+    """Copies of the distributed optimizer's state (--num-distributed-optimizer-instances): the
+    data-parallel ranks form this many instances, each sharding the state over its own ranks,
+    so each shard is also held by a rank of every other instance. A layout whose dp x cp it
+    does not divide (after a live change) runs with one instance and says so."""
     distributed_timeout_minutes: int = 10
     """Timeout of the default process group and of every group megadyn creates
     (--distributed-timeout-minutes)."""
@@ -102,7 +107,7 @@ class ParallelConfig:
 
     def layout(self, num_members: int, num_layers: int) -> Layout:
         """The layout with these degrees over `num_members` ranks (raises LayoutError)."""
-        return Layout.from_world(
+        layout = Layout.from_world(
             num_members,
             self.tp,
             self.pp,
@@ -110,6 +115,7 @@ class ParallelConfig:
             self.sequence_parallel,
             cp=self.cp,
         )
+        return layout.with_distopt_instances(self.num_distributed_optimizer_instances)
 
 
 @dataclass(frozen=True)
@@ -268,6 +274,14 @@ class DataConfig:
     """Data loader worker processes (--num-workers)."""
     data_cache_path: str | None = None
     """Directory for the cached sample indices (--data-cache-path)."""
+    reset_attention_mask: bool = False
+    """Attention stays within each document of a packed sample: a token sees the earlier
+    tokens up to and including its document's end-of-document token only
+    (--reset-attention-mask)."""
+    eod_mask_loss: bool = False
+    """No loss at positions whose input token is the end-of-document token, i.e. on the
+    prediction of the next document's first token; the loss is the mean over the other
+    tokens (--eod-mask-loss)."""
 
 
 @dataclass(frozen=True)

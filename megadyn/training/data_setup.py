@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megadyn.data import MicroBatchLoader, build_gpt_datasets, build_tokenizer
+from megadyn.data import DocumentMasking, MicroBatchLoader, build_gpt_datasets, build_tokenizer
 from megadyn.training.config import MegadynConfig
 
 
@@ -19,6 +19,8 @@ class Datasets:
     tokenizer: object
     train: object
     valid: object | None
+    documents: DocumentMasking | None = None
+    """What the loaders do to each micro batch under the document flags (None: nothing)."""
 
 
 def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
@@ -61,11 +63,19 @@ def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
             train, valid, _ = build()
     if train is None:
         raise ValueError("--split leaves no training data; give the first --split part a weight")
-    return Datasets(tokenizer, train, valid)
+    documents = DocumentMasking(
+        tokenizer.eod, cfg.model.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss
+    )
+    return Datasets(tokenizer, train, valid, documents if documents.active else None)
 
 
 def build_loader(
-    dataset, cfg: MegadynConfig, dp_rank: int, dp_size: int, consumed: int
+    dataset,
+    cfg: MegadynConfig,
+    dp_rank: int,
+    dp_size: int,
+    consumed: int,
+    documents: DocumentMasking | None = None,
 ) -> MicroBatchLoader:
     return MicroBatchLoader(
         dataset,
@@ -75,4 +85,5 @@ def build_loader(
         consumed_samples=consumed,
         num_workers=cfg.data.num_workers,
         seed=cfg.training.seed,
+        transform=documents,
     )

@@ -27,6 +27,7 @@ def evaluate(trainer) -> float | None:
         trainer.groups.dp_rank,
         trainer.groups.dp_size,
         max(rounds_done, 0) * t.eval_iters * gbs,
+        trainer.data.documents,
     )
     n = trainer.microbatches.num_micro_batches(
         trainer.state.consumed_samples, trainer.groups.dp_size

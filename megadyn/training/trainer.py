@@ -100,9 +100,27 @@ class Trainer:
         if previous is not None:  # rebuilt under a new layout: the schedule goes on
             self.scheduler.load_state_dict(previous.state_dict())
         self.train_loader = build_loader(
-            self.data.train, cfg, groups.dp_rank, groups.dp_size, self.state.consumed_samples
+            self.data.train,
+            cfg,
+            groups.dp_rank,
+            groups.dp_size,
+            self.state.consumed_samples,
+            self.data.documents,
         )
         self.cuda_graph = self._cuda_graph(groups.layout)
+        self._log_distopt_instances(groups.layout)
+
+    def _log_distopt_instances(self, layout) -> None:
+        """Say so when a layout runs with fewer optimizer copies than the job asked for (a live
+        change to a dp x cp that --num-distributed-optimizer-instances does not divide)."""
+        asked = self.cfg.parallel.num_distributed_optimizer_instances
+        if layout.distopt_instances != asked and self.logs:
+            self.print(
+                f" distributed optimizer: 1 instance under dp={layout.dp} cp={layout.cp}, "
+                f"which --num-distributed-optimizer-instances {asked} does not divide: the "
+                "optimizer shards have no replicas until a layout it divides",
+                flush=True,
+            )
 
     def _cuda_graph(self, layout) -> MicroBatchGraph | None:
         """A new (uncaptured) micro-batch graph for this layout under --enable-cuda-graph; None

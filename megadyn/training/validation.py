@@ -26,6 +26,7 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
     _validate_members(cfg.elastic, world_size)
     layout = _validate_layout(cfg, world_size)
     _validate_context_parallel(cfg, layout)
+    _validate_document_masking(cfg)
     _validate_recompute(cfg, layout)
     _validate_kernels(cfg, layout)
     check_schedule(cfg.scheduler, cfg.optimizer, cfg.training.train_iters)
@@ -71,8 +72,25 @@ def _validate_layout(cfg: MegadynConfig, world_size: int) -> Layout:
         raise ConfigError(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
         )
+    _validate_distopt_instances(par.num_distributed_optimizer_instances, dist_opt, layout)
     MicroBatchCalculator.from_config(cfg.training).check_dp_size(layout.dp)
     return layout
+
+
+def _validate_distopt_instances(instances: int, dist_opt: bool, layout: Layout) -> None:
+    """At the start the instances must divide dp x cp (a live change falls back to one)."""
+    flag = "--num-distributed-optimizer-instances"
+    if instances < 1:
+        raise ConfigError(f"{flag} must be a positive integer, got {instances}")
+    if instances > 1 and not dist_opt:
+        raise ConfigError(f"{flag} ({instances}) needs --use-distributed-optimizer")
+    if layout.distopt_instances != instances:
+        with_cp = f" x --context-parallel-size ({layout.cp})" if layout.cp > 1 else ""
+        raise ConfigError(
+            f"{flag} ({instances}) must divide the data-parallel size ({layout.dp}){with_cp}: "
+            "change it or the number of processes (world size / (--tensor-model-parallel-size "
+            "x --pipeline-model-parallel-size))"
+        )
 
 
 def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
@@ -92,6 +110,21 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
     for other, used in unsupported.items():
         if used:
             raise ConfigError(f"{flag} > 1 does not run with {other} yet: drop one of them")
+
+
+def _validate_document_masking(cfg: MegadynConfig) -> None:
+    """What --reset-attention-mask's attention does not run with yet, naming both flags."""
+    if not cfg.data.reset_attention_mask:
+        return
+    unsupported = {
+        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+    }
+    for other, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"--reset-attention-mask does not run with {other} yet: drop one of them"
+            )
 
 
 def _validate_recompute(cfg: MegadynConfig, layout: Layout) -> None:

@@ -6,7 +6,7 @@
 #              and dp4 with the CUDA graph (megadyn only; pp > 1 cannot be captured yet).
 #              Needs .whl/ (megatron-core 0.19.2) and .bench/mcore_gpt_bench.py, see BENCHMARKS.md.
 #   reshard    live layout changes of the 1.42B model from tp2 x pp2 (tools/bench_reshard.py):
-#              -> dp4 -> tp2 x dp2 -> tp2 x pp2, against a DCP save + load of the same state.
+#              -> dp4 -> tp2 x dp2 -> cp2 x dp2 -> tp2 x pp2, against a DCP save + load of the same state.
 #   recovery   kill -9 of one worker at tp2 x pp2 (1.42B, snapshots every 20 steps in
 #              /dev/shm), restart path through torchrun (tools/bench_recovery.py), RECOVERY_RUNS.
 #   all        reference reshard recovery (more than one call's 10 minutes: BUDGET_S cuts it).
@@ -19,7 +19,7 @@
 # Settings: BUDGET_S (default 560) seconds from the start after which no run starts that would not
 # end in time (each run is estimated from the last of its kind, and bounded by timeout);
 # reference: ROUNDS (2), ITERS (6), REF_ROWS (the four rows above), ROW_TIMEOUT (120),
-# REF_FRAMEWORKS ("mcore megadyn"); reshard: CHANGES ("dp4 tp2xdp2 tp2xpp2"), RESHARD_TIMEOUT
+# REF_FRAMEWORKS ("mcore megadyn"); reshard: CHANGES ("dp4 tp2xdp2 cp2xdp2 tp2xpp2"), RESHARD_TIMEOUT
 # (300); recovery: RECOVERY_RUNS ("default default"; "no-fork-server" restarts without the fork
 # server), RECOVERY_TIMEOUT (200). TINY=1: a tiny model on any machine (a CPU smoke run of the
 # script: reshard and recovery with gloo, reference megadyn-only).
@@ -130,7 +130,7 @@ EOF
 
 # ---------------------------------------------------------------------------------------------
 part_reshard() {
-  local changes=${CHANGES:-"dp4 tp2xdp2 tp2xpp2"} log="$LOGS/reshard.log" tiny=()
+  local changes=${CHANGES:-"dp4 tp2xdp2 cp2xdp2 tp2xpp2"} log="$LOGS/reshard.log" tiny=()
   [ "$TINY" = 1 ] && tiny=(--tiny)
   : > "$OUT/reshard.jsonl"
   fits "${RESHARD_ESTIMATE_S:-150}" "reshard ($changes)" || return

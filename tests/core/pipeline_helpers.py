@@ -44,7 +44,8 @@ def make_cfg(variant: str, num_layers: int, seq: int = 8, **overrides) -> GPTCon
     return GPTConfig.llama(num_query_groups=2, ffn_hidden_size=48, **common)
 
 
-def micro_batches(dp_rank: int, m: int, seq: int = 8, step: int = 0) -> list[dict]:
+def micro_batches(dp_rank: int, m: int, seq: int = 8, step: int = 0, transform=None) -> list[dict]:
+    """Random micro batches of dp rank `dp_rank`, each passed through `transform` if given."""
     out = []
     for j in range(m):
         g = torch.Generator().manual_seed(100_000 * step + 1000 * dp_rank + j)
@@ -56,23 +57,31 @@ def micro_batches(dp_rank: int, m: int, seq: int = 8, step: int = 0) -> list[dic
                 position_ids=torch.arange(seq).expand(BATCH, seq),
             )
         )
-    return out
+    return out if transform is None else [transform(batch) for batch in out]
 
 
 def loss_fn(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
     return masked_mean(per_token_loss, batch["loss_mask"])
 
 
-def reference_step(model: GPTModel, m: int, dp: int, seq: int = 8, step: int = 0) -> list:
+def reference_step(
+    model: GPTModel, m: int, dp: int, seq: int = 8, step: int = 0, transform=None
+) -> list:
     """Back-propagate the mean loss of all dp ranks' micro batches through the single-process
     model; return each dp rank's per-micro-batch losses."""
     device = next(model.parameters()).device
     losses = []
     for d in range(dp):
         losses.append([])
-        for batch in micro_batches(d, m, seq, step):
+        for batch in micro_batches(d, m, seq, step, transform):
             b = {k: v.to(device) for k, v in batch.items()}
-            loss = loss_fn(model(b["tokens"], b["position_ids"], labels=b["labels"]), b)
+            per_token = model(
+                b["tokens"],
+                b["position_ids"],
+                labels=b["labels"],
+                document_ids=b.get("document_ids"),
+            )
+            loss = loss_fn(per_token, b)
             (loss / (m * dp)).backward()
             losses[-1].append(loss.detach())
     return losses

@@ -6,6 +6,11 @@ pp 2 (also interleaved), both --cp-comm-type variants, GPT-2 (learned positions)
 One spawned job of 4 processes runs every case (a layout over ranks [0, 1] leaves 2 and 3 out,
 as standby processes); the gradients go through the training path: the pipeline's micro-batch
 steps (which take each rank's chunks of the batch), DDP over dp x cp and finalize_model_grads.
+
+The same job runs the document-masked cases (--reset-position-ids, --reset-attention-mask,
+--eod-mask-loss on packed samples): cp 2 and 4 with both comm types, tp 2 with sequence
+parallelism, pp 2, selective recomputation, against the single-process model under the same
+masks.
 """
 
 import pytest
@@ -18,6 +23,7 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.pipeline import PipelineConfig, forward_backward
 from megadyn.core.recompute import RecomputeConfig
+from megadyn.data.documents import DocumentMasking
 from megadyn.models import GPTModel, build_gpt_chunks, init_chunk, lm_loss_for
 from megadyn.testing import spawn
 from tests.core.pipeline_helpers import (
@@ -44,6 +50,29 @@ CASES = [  # (layout, members, model variant, --cp-comm-types)
     (Layout(cp=2, pp=2), ALL, "llama", ("p2p",)),
     (Layout(cp=2, pp=2, vpp=2), ALL, "gpt2", ("p2p",)),
 ]
+DOC_CASES = [  # (layout, members, model variant, --cp-comm-types) with document masking
+    (Layout(cp=2), [0, 1], "llama", BOTH),
+    (Layout(cp=4), ALL, "gpt2", BOTH),
+    (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", BOTH),
+    (Layout(cp=2, pp=2), ALL, "gpt2", ("p2p",)),
+    (Layout(tp=2, pp=2, sequence_parallel=True), ALL, "llama", ("p2p",)),  # cp 1
+]
+EOD = 7
+DOCUMENTS = DocumentMasking(
+    EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True
+)
+
+
+def packed(batch: dict) -> dict:
+    """`batch` made a packed sample: EODs at 3 (the first cp 2 chunk is one document, so ring
+    blocks without a shared document are skipped), 6 and 11 (sample 0) or 12 (sample 1), then
+    the document flags applied."""
+    tokens = batch["tokens"].clone()
+    tokens[:, [3, 6]] = EOD
+    tokens[0, 11] = tokens[1, 12] = EOD
+    return DOCUMENTS({**batch, "tokens": tokens})
+
+
 LAYERS = 4
 RECOMPUTE = [  # the ring's exchanges run again in the backward pass; on ranks 0 and 1 only, as
     # torch's checkpoint costs seconds of imports at its first use in a process
@@ -54,8 +83,10 @@ RECOMPUTE = [  # the ring's exchanges run again in the backward pass; on ranks 0
 
 def gathered_logits(model, batch, groups) -> torch.Tensor:
     """Logits [S, b, V] of the whole sequence, from every tp and cp rank's pieces."""
-    with torch.no_grad():
-        local = model(batch["tokens"], batch["position_ids"])  # [s/cp, b, V/tp]
+    with torch.no_grad():  # [s/cp, b, V/tp]
+        local = model(
+            batch["tokens"], batch["position_ids"], document_ids=batch.get("document_ids")
+        )
     pieces = [None] * groups.tp_size
     dist.all_gather_object(pieces, local, group=groups.tp_group)
     local = torch.cat(pieces, dim=-1)  # [s/cp, b, V]
@@ -67,14 +98,16 @@ def gathered_logits(model, batch, groups) -> torch.Tensor:
     return full
 
 
-def run_case(layout, members, variant, comm_type, references, recompute=None) -> None:
+def run_case(
+    layout, members, variant, comm_type, references, recompute=None, documents=False
+) -> None:
     groups = ParallelGroups.build(layout, members)
     if not groups.is_member:
         return groups.destroy()
-    cfg = make_cfg(variant, LAYERS, seq=SEQ, cp_comm_type=comm_type)
+    cfg = make_cfg(variant, LAYERS, seq=SEQ, cp_comm_type=comm_type, reset_position_ids=documents)
     chunks = build_gpt_chunks(cfg, groups, recompute_cfg=recompute, seed=SEED)
     ddp = [DistributedDataParallel(chunk, groups.dp_cp_group) for chunk in chunks]
-    batches = micro_batches(groups.dp_rank, M, SEQ)
+    batches = micro_batches(groups.dp_rank, M, SEQ, transform=packed if documents else None)
     losses = forward_backward(
         ddp,
         groups,
@@ -84,8 +117,8 @@ def run_case(layout, members, variant, comm_type, references, recompute=None) ->
         loss_fn=lm_loss_for(groups.cp_group),
     )
     finalize_model_grads(ddp, groups)
-    what = f"{layout} {variant} {comm_type} {recompute}"
-    ref_model, ref_losses, ref_grads = references[(variant, layout.dp)]
+    what = f"{layout} {variant} {comm_type} {recompute}" + (" documents" if documents else "")
+    ref_model, ref_losses, ref_grads = references[(variant, layout.dp, documents)]
     if groups.is_last_stage:
         # (assert_close would import torch.distributed.tensor: seconds in every process)
         assert_rel(torch.stack(losses), torch.stack(ref_losses[groups.dp_rank]), f"{what} loss")
@@ -95,8 +128,11 @@ def run_case(layout, members, variant, comm_type, references, recompute=None) ->
         assert_rel(grad, ref_grads[name], f"{what} grad {name}")
     if layout.pp == 1:
         batch = split_batch(batches[0], groups.cp_rank, groups.cp_size)
+        full = batches[0]
         with torch.no_grad():
-            ref_logits = ref_model(batches[0]["tokens"], batches[0]["position_ids"])
+            ref_logits = ref_model(
+                full["tokens"], full["position_ids"], document_ids=full.get("document_ids")
+            )
         assert_rel(gathered_logits(chunks[0], batch, groups), ref_logits, f"{what} logits")
     for d in ddp:
         d.remove_hooks()
@@ -105,21 +141,26 @@ def run_case(layout, members, variant, comm_type, references, recompute=None) ->
 
 def body(rank, world):
     references = {}
-    for variant in ("gpt2", "llama"):
-        for dp in (1, 2):
-            model = GPTModel(make_cfg(variant, LAYERS, seq=SEQ))
-            init_chunk(model, SEED)
-            losses = reference_step(model, M, dp, seq=SEQ)
-            references[(variant, dp)] = (
-                model,
-                losses,
-                {n: p.grad for n, p in model.named_parameters()},
-            )
+    for variant, dp, documents in [
+        (variant, dp, False) for variant in ("gpt2", "llama") for dp in (1, 2)
+    ] + [("gpt2", 1, True), ("llama", 1, True)]:
+        model = GPTModel(make_cfg(variant, LAYERS, seq=SEQ, reset_position_ids=documents))
+        init_chunk(model, SEED)
+        losses = reference_step(model, M, dp, seq=SEQ, transform=packed if documents else None)
+        references[(variant, dp, documents)] = (
+            model,
+            losses,
+            {n: p.grad for n, p in model.named_parameters()},
+        )
     for layout, members, variant, comm_types in CASES:
         for comm_type in comm_types:
             run_case(layout, members, variant, comm_type, references)
     for recompute in RECOMPUTE:
         run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, recompute)
+    for layout, members, variant, comm_types in DOC_CASES:
+        for comm_type in comm_types:
+            run_case(layout, members, variant, comm_type, references, documents=True)
+    run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, RECOMPUTE[1], documents=True)
 
 
 def test_context_parallel_matches_single_process():

@@ -50,7 +50,9 @@ def layouts(draw):
     vpp = draw(st.sampled_from([1, 2])) if pp > 1 else 1
     members = draw(st.permutations(range(16)))[: tp * cp * pp * dp]
     distopt = draw(st.sampled_from([None, DistOpt(None), DistOpt(bucket_size=200)]))
-    return Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp), members, distopt
+    instances = draw(st.sampled_from([1, 2])) if distopt and dp * cp % 2 == 0 else 1
+    layout = Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, distopt_instances=instances)
+    return layout, members, distopt
 
 
 def local_of(piece: HeldPiece, global_tensor: torch.Tensor) -> torch.Tensor:

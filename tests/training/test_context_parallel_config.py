@@ -1,5 +1,6 @@
 """--context-parallel-size and --cp-comm-type on the command line: the layout they make and the
-combinations refused (each a ConfigError that starts with the flag to change)."""
+combinations refused (each a ConfigError that starts with the flag to change); the document
+flags, which run under cp."""
 
 import shlex
 
@@ -34,6 +35,19 @@ def test_cp_is_a_layout_dimension():
     assert (cfg.layout(8).cp, cfg.layout(8).pp, cfg.layout(8).dp) == (2, 2, 1)
 
 
+def test_document_flags_reach_the_config_and_run_under_cp():
+    cfg = parse(
+        "--context-parallel-size 2 --cp-comm-type all_gather --reset-position-ids "
+        "--reset-attention-mask --eod-mask-loss",
+        4,
+    )
+    assert cfg.model.reset_position_ids and cfg.data.reset_attention_mask
+    assert cfg.data.eod_mask_loss and cfg.layout(4).cp == 2
+    plain = parse("", 1)
+    assert not (plain.model.reset_position_ids or plain.data.reset_attention_mask)
+    assert not plain.data.eod_mask_loss
+
+
 @pytest.mark.parametrize(
     "extra, world_size, flag",
     [
@@ -48,11 +62,15 @@ def test_cp_is_a_layout_dimension():
         ("--context-parallel-size 0", 2, "--context-parallel-size"),
         ("--cp-comm-type all_gather", 2, "--cp-comm-type"),
         ("--context-parallel-size 2 --cp-comm-type a2a", 2, "--cp-comm-type"),
+        ("--reset-attention-mask --attention-dropout 0.1", 1, "--reset-attention-mask"),
+        ("--reset-attention-mask --enable-cuda-graph --hidden-dropout 0", 1,
+         "--reset-attention-mask"),
     ],
 )  # fmt: skip
 def test_cp_refusals_name_their_flags(extra, world_size, flag):
     with pytest.raises(ConfigError) as err:
         parse(extra, world_size)
     assert str(err.value).startswith(flag), str(err.value)
-    if "--attention-dropout" in extra:
-        assert "--attention-dropout" in str(err.value)
+    for named in ("--attention-dropout", "--enable-cuda-graph"):
+        if named in extra and flag != named:
+            assert named in str(err.value), str(err.value)

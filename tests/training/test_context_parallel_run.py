@@ -1,6 +1,7 @@
 """pretrain_gpt.py's job with context parallelism trains like cp 1: at cp 2 with the
-distributed optimizer sharded over dp x cp, after a resume at cp 1 from its checkpoint, and
-across live changes tp 2 -> cp 2 -> dp 2 (tools/elastic_ctl.py's requests)."""
+distributed optimizer sharded over dp x cp, after a resume at cp 1 from its checkpoint, across
+live changes tp 2 -> cp 2 -> dp 2 (tools/elastic_ctl.py's requests), and with the document
+flags on packed mock samples."""
 
 import os
 from collections import Counter
@@ -56,3 +57,12 @@ def test_live_changes_tp2_cp2_dp2_train_like_cp1(single):
     assert sorted(drawn) == list(range(4 * len(single))) and set(drawn.values()) == {1}
     events = [e for r in results for e in r["events"]]
     assert {e["new"] for e in events} == {"tp1xcp2xpp1xdp1", "tp1xpp1xdp2"}
+
+
+DOCUMENT_FLAGS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+
+
+def test_document_flags_train_alike_at_cp2_and_change_the_losses(single):
+    masked = train(1, *DOCUMENT_FLAGS)
+    close(train(2, "--context-parallel-size", "2", *DOCUMENT_FLAGS), masked)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(masked, single))

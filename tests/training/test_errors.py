@@ -73,7 +73,8 @@ def test_a_damaged_data_file_is_one_message_under_torchrun(truncated_corpus, mon
     code, debug_out = torchrun([*TINY, "--data-path", truncated_corpus], MEGADYN_DEBUG="1")
     assert code != 0 and said[0] in debug_out, debug_out
     assert "megadyn/data/indexed_dataset.py" in debug_out and "IndexedDatasetError" in debug_out
-    assert "Connection closed by peer" in debug_out  # the waiting rank's traceback too
+    # the waiting rank's traceback too, unless torchrun stopped it before its wait failed
+    assert "Connection closed by peer" in debug_out or "closing signal SIGTERM" in debug_out
 
 
 # --- the kinds of errors -------------------------------------------------------------------------

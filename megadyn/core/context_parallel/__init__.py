@@ -22,10 +22,13 @@ CP_COMM_TYPES = {"p2p": ring_attention, "all_gather": all_gather_attention}
 """--cp-comm-type: how keys and values reach the queries of other cp ranks."""
 
 
-def context_parallel_attention(q, k, v, group, comm_type: str = "p2p", scale=None):
+def context_parallel_attention(
+    q, k, v, group, comm_type: str = "p2p", scale=None, document_ids=None
+):
     """Causal attention of this cp rank's queries q [b, n, s, d] over the whole sequence; k and
-    v [b, g, s, d] are this rank's part (sequence.py's two chunks)."""
-    return CP_COMM_TYPES[comm_type](q, k, v, group, scale)
+    v [b, g, s, d] are this rank's part (sequence.py's two chunks). With `document_ids`
+    [b, S] (the whole sequence's, on every cp rank) a query sees keys of its document only."""
+    return CP_COMM_TYPES[comm_type](q, k, v, group, scale, document_ids)
 
 
 __all__ = [

@@ -10,13 +10,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megadyn.core.context_parallel.sequence import local_positions
+from megadyn.core.context_parallel.sequence import local_positions, split_sequence
 from megadyn.core.tensor_parallel import gather_from_sequence
 
 
-def all_gather_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+def all_gather_attention(
+    q, k, v, group, scale: float | None = None, document_ids=None
+) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
-    keys and values k, v [b, g, s, d] are spread over `group` (the cp group)."""
+    keys and values k, v [b, g, s, d] are spread over `group` (the cp group); within
+    documents when `document_ids` [b, S] (the whole sequence's) is given."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     s = q.shape[2]
     kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, g, d]: sequence first
@@ -26,6 +29,10 @@ def all_gather_attention(q, k, v, group, scale: float | None = None) -> torch.Te
     q_pos = local_positions(seq, rank, cp, q.device)  # [s]
     k_pos = torch.cat([local_positions(seq, r, cp, q.device) for r in range(cp)])  # [cp * s]
     visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [s, cp * s]
+    if document_ids is not None:
+        q_doc = split_sequence(document_ids, rank, cp, dim=1)  # [b, s]
+        k_doc = torch.cat([split_sequence(document_ids, r, cp, dim=1) for r in range(cp)], 1)
+        visible = (visible & (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2))).unsqueeze(1)
     return F.scaled_dot_product_attention(
         q, k_all, v_all, attn_mask=visible, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )

@@ -5,6 +5,10 @@ log-sum-exp that lets blocks computed apart be merged into the softmax over all 
     merge_into(acc_out, acc_lse, out, lse)                    # softmax over both blocks' keys
     dq, dk, dv = block_backward(dout, q, k, v, out_all, lse_all, causal, scale)
 
+`visible` [b, 1, sq, sk] (bool, optional) masks further: the documents of a packed sequence.
+A query row that sees no key of a block gets output 0 and log-sum-exp -inf, which merging
+ignores.
+
 `block_backward` takes the *final* output and log-sum-exp of the query rows (over every key
 block): exp(scores - lse_all) is then this block's share of the full softmax, so the gradients
 of all blocks add up to the gradient of the whole attention (the flash-attention identity).
@@ -36,23 +40,31 @@ def _reduce_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad if n == groups else grad.view(b, groups, n // groups, s, d).sum(2)
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    """Scaled scores [b, n, sq, sk] in fp32, -inf above the diagonal when `causal`."""
+def _scores(q, k, causal: bool, scale: float, visible=None) -> torch.Tensor:
+    """Scaled scores [b, n, sq, sk] in fp32, -inf above the diagonal when `causal` and where
+    `visible` [b, 1, sq, sk] is False."""
     scores = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
     if causal:
         sq, sk = scores.shape[-2:]
         above = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     return scores
 
 
-def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(
+    q, k, v, causal: bool, scale: float, visible=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, n, sq, d] over k, v [b, g, sk, d]: output [b, n, sq, d] (accumulation precision) and
     log-sum-exp of the scores [b, n, sq]."""
     heads = q.shape[1]
-    scores = _scores(q, _expand(k, heads), causal, scale)  # [b, n, sq, sk]
+    scores = _scores(q, _expand(k, heads), causal, scale, visible)  # [b, n, sq, sk]
     lse = torch.logsumexp(scores, dim=-1)  # [b, n, sq]
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    shift = lse
+    if visible is not None:  # rows without a visible key: probabilities 0, not NaN
+        shift = lse.masked_fill(lse == float("-inf"), 0.0)
+    probs = torch.exp(scores - shift.unsqueeze(-1))
     return torch.matmul(probs, _acc(_expand(v, heads))), lse
 
 
@@ -65,13 +77,14 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out, block_lse) -> No
     lse.copy_(new_lse)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=None):
     """Gradients (accumulation precision) of q, k, v for one block, given the final `out` and `lse` of q's rows
     and the gradient `dout` of `out`: dq [b, n, sq, d], dk and dv [b, g, sk, d]."""
     heads, groups = q.shape[1], k.shape[1]
     k_all, v_all = _acc(_expand(k, heads)), _acc(_expand(v, heads))
     dout = _acc(dout)
-    probs = torch.exp(_scores(q, k_all, causal, scale) - lse.unsqueeze(-1))  # [b, n, sq, sk]
+    scores = _scores(q, k_all, causal, scale, visible)  # [b, n, sq, sk]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), dout)  # [b, n, sk, d]
     dprobs = torch.matmul(dout, v_all.transpose(-1, -2))  # [b, n, sq, sk]
     delta = (dout * _acc(out)).sum(-1, keepdim=True)  # [b, n, sq, 1]

@@ -10,6 +10,9 @@ chunks o and 2cp-1-o, and only part of the causal attention is not masked:
     o > r          : the second half of the queries (chunk 2cp-1-r) on all keys, no mask
 
 so every step computes two chunks' worth of scores: the work is balanced over ranks and steps.
+With `document_ids` (--reset-attention-mask) a block is further masked to query/key pairs of
+the same document, and skipped, forward and backward, when it has none (its keys and values
+still travel on).
 The next step's exchange runs while a step computes. The backward pass goes round the ring
 again: keys and values travel as before, and the gradients of the keys and values travel with
 them, one step behind, until after cp shifts they are back on the rank that owns them.
@@ -21,6 +24,7 @@ import torch
 
 from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
 from megadyn.core.context_parallel.comm import RingExchange
+from megadyn.core.context_parallel.sequence import split_sequence
 
 
 def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, slice, bool]:
@@ -33,9 +37,25 @@ def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, sl
     return slice(half, None), everything, False
 
 
+def _step_block(ring: RingExchange, step: int, half: int, document_ids):
+    """(rows, cols, causal, visible) of ring step `step`, where `visible` [b, 1, sq, sk] keeps
+    the pairs of one document (None without `document_ids` [b, S]); None when nothing in the
+    block is visible."""
+    origin = (ring.rank - step) % ring.size
+    rows, cols, causal = _block_plan(step, origin, ring.rank, half)
+    if document_ids is None:
+        return rows, cols, causal, None
+    q_doc = split_sequence(document_ids, ring.rank, ring.size, dim=1)[:, rows]  # [b, sq]
+    k_doc = split_sequence(document_ids, origin, ring.size, dim=1)[:, cols]  # [b, sk]
+    visible = (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1)  # [b, 1, sq, sk]
+    if step > 0 and not bool(visible.any()):  # step 0 holds every query's own key
+        return None
+    return rows, cols, causal, visible
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, document_ids):
         ring = RingExchange(group)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
@@ -43,20 +63,22 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            rows, cols, causal = _block_plan(step, (ring.rank - step) % ring.size, ring.rank, half)
-            block_out, block_lse = block_forward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale
-            )
-            if out is None:
-                out, lse = block_out, block_lse  # [b, n, s, d], [b, n, s] in accumulation precision
-            else:
-                merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            block = _step_block(ring, step, half, document_ids)
+            if block is not None:
+                rows, cols, causal, visible = block
+                block_out, block_lse = block_forward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, visible
+                )
+                if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
+                    out, lse = block_out, block_lse
+                else:
+                    merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < ring.size - 1:
                 ring.wait(pending)
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.document_ids = group, scale, document_ids
         return out
 
     @staticmethod
@@ -70,34 +92,39 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            rows, cols, causal = _block_plan(step, (ring.rank - step) % ring.size, ring.rank, half)
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, rows],
-                q[:, :, rows],
-                kv[0][:, :, cols],
-                kv[1][:, :, cols],
-                out[:, :, rows],
-                lse[:, :, rows],
-                causal,
-                ctx.scale,
-            )
-            dq[:, :, rows] += dq_b
+            block = _step_block(ring, step, half, ctx.document_ids)
+            if block is not None:
+                rows, cols, causal, visible = block
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal,
+                    ctx.scale,
+                    visible,
+                )
+                dq[:, :, rows] += dq_b
             if dkv_pending is None:  # step 0: the gradients of this rank's own keys start
                 dkv = torch.zeros_like(kv, dtype=dq.dtype)
             else:  # those of the keys now held arrive from the previous rank
                 ring.wait(dkv_pending)
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
+            if block is not None:
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
             dkv, dkv_pending = ring.start(dkv)  # travels one step behind its keys
             if step < ring.size - 1:
                 ring.wait(pending)
                 kv = incoming
         ring.wait(dkv_pending)  # after cp shifts: the gradients of this rank's keys and values
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, group, scale: float | None = None, document_ids=None) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
-    keys and values k, v [b, g, s, d] are spread over `group` (the cp group)."""
+    keys and values k, v [b, g, s, d] are spread over `group` (the cp group); within
+    documents when `document_ids` [b, S] (the whole sequence's) is given."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale)
+    return _RingAttention.apply(q, k, v, group, scale, document_ids)

@@ -36,3 +36,44 @@ def reduce_scatter_flat(
     `shard` may be the view of `data` that this rank owns (in-place reduce-scatter).
     """
     return _reduce_scatter(shard, data, op=op, group=group, async_op=async_op)
+
+
+class _StreamDone:
+    """The handle of collectives queued on a side stream: `wait()` makes the current stream
+    wait for them (the host does not block)."""
+
+    def __init__(self, stream):
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self._event)
+
+
+def reduce_scatter_all_reduce(
+    shard: torch.Tensor,
+    data: torch.Tensor,
+    shard_group,
+    replica_group,
+    op=dist.ReduceOp.SUM,
+    stream=None,
+):
+    """Reduce `data` over shard_group x replica_group; this rank receives its part in `shard`:
+    a reduce-scatter within `shard_group`, then an all-reduce of the part over `replica_group`
+    (the ranks that receive the same part). The second needs the first's result, so on CUDA
+    both are queued in order on the side `stream` and the returned handle's `wait()` makes the
+    current stream wait for them; without a stream (CPU) they run before this returns (None).
+    """
+    if stream is None:
+        _reduce_twice(shard, data, shard_group, replica_group, op)
+        return None
+    stream.wait_stream(torch.cuda.current_stream())  # the gradients are written
+    with torch.cuda.stream(stream):
+        _reduce_twice(shard, data, shard_group, replica_group, op)
+    return _StreamDone(stream)
+
+
+def _reduce_twice(shard, data, shard_group, replica_group, op) -> None:
+    if dist.get_world_size(shard_group) > 1:  # one rank per instance: `shard` is `data`
+        reduce_scatter_flat(shard, data, shard_group, op=op)
+    dist.all_reduce(shard, op=op, group=replica_group)

@@ -52,6 +52,8 @@ class DistributedDataParallel(nn.Module):
         bucket_size: int | None = None,
         grad_reduce_in_fp32: bool = True,
         average_in_collective: bool = False,
+        shard_group=None,
+        replica_group=None,
     ):
         """Build the buffers of `module`'s trainable params and register the gradient hooks.
 
@@ -60,6 +62,11 @@ class DistributedDataParallel(nn.Module):
         instead of scaling by 1/dp before a sum. `overlap_param_gather` (distributed optimizer)
         leaves the all-gather of updated params running after the optimizer step; each module
         waits for its params' buckets just before its next forward.
+
+        With several distributed-optimizer instances (--num-distributed-optimizer-instances),
+        `shard_group` is this rank's instance (the part of `dp_group` the optimizer state is
+        sharded over) and `replica_group` the ranks of the other instances holding the same
+        shard; by default the optimizer is sharded over all of `dp_group`.
         """
         super().__init__()
         self.module = module
@@ -74,6 +81,20 @@ class DistributedDataParallel(nn.Module):
             bucket_size = default_bucket_size(overlap_grad_reduce, self.dp_size)
         self.bucket_size = bucket_size
         self.is_last_microbatch = True
+        if shard_group is None or not use_distributed_optimizer:
+            shard_group = dp_group
+        if replica_group is not None:
+            sizes = dist.get_world_size(shard_group) * dist.get_world_size(replica_group)
+            if not use_distributed_optimizer or sizes != self.dp_size:
+                raise ValueError(
+                    "--num-distributed-optimizer-instances needs --use-distributed-optimizer, "
+                    f"and instances x ranks per instance ({sizes}) equal to the data-parallel "
+                    f"size ({self.dp_size})"
+                )
+        comm_stream = None
+        first = next(module.parameters(), None)
+        if replica_group is not None and first is not None and first.is_cuda:
+            comm_stream = torch.cuda.Stream(first.device)  # the reduce-scatter, then all-reduce
 
         params_by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for param in module.parameters():
@@ -89,12 +110,14 @@ class DistributedDataParallel(nn.Module):
             ParamAndGradBuffer(
                 params,
                 grad_dtype,
-                dp_group,
+                shard_group,
                 bucket_size=bucket_size,
                 use_distributed_optimizer=use_distributed_optimizer,
                 gradient_scaling_factor=1.0 / self.dp_size,
                 average_in_collective=average_in_collective,
                 separate_bucket_params=separate,
+                replica_group=replica_group,
+                comm_stream=comm_stream,
             )
             for (_, grad_dtype), params in params_by_dtype.items()
         ]

@@ -16,6 +16,12 @@ parameters are all-gathered back. For that the parameters themselves are moved i
 `param_data` buffer of the same layout (`param.data` becomes a view of it), so do not move or
 cast the model (`.to()`, `.half()`) after wrapping it.
 
+With several distributed-optimizer instances (--num-distributed-optimizer-instances) the
+buffer is sharded over the ranks of one instance (`dp_group` here is that instance's group):
+gradients are reduce-scattered within it and each part is then all-reduced over
+`replica_group`, the ranks of the other instances that own the same part, so the gradient is
+still averaged over all of data parallelism and every instance takes the same step.
+
 `plan_buckets` computes the layout from the param sizes alone, without processes, for code that
 must know which dp rank owns which elements (the reshard planner).
 """
@@ -28,7 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megadyn.core.distributed.comm import all_gather_flat, reduce_scatter_flat
+from megadyn.core.distributed.comm import (
+    all_gather_flat,
+    reduce_scatter_all_reduce,
+    reduce_scatter_flat,
+)
 
 _DIST_OPT_PAD = 128  # bucket sizes are multiples of lcm(dp, 128) with the distributed optimizer
 
@@ -89,6 +99,8 @@ class Bucket:
         use_distributed_optimizer: bool,
         gradient_scaling_factor: float,
         average_in_collective: bool,
+        replica_group=None,
+        comm_stream=None,
     ):
         self.index = index
         self.params = params
@@ -96,9 +108,11 @@ class Bucket:
         self.offset = offset  # start of the bucket within its buffer
         self.grad_data = grad_data  # [numel] view of the buffer
         self.param_data = param_data  # [numel] view, distributed optimizer only
-        self.dp_group = dp_group
+        self.dp_group = dp_group  # with the distributed optimizer: the ranks sharding it
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
+        self.replica_group = replica_group  # the same part in the other optimizer instances
+        self.comm_stream = comm_stream  # where the two-step reduction runs on CUDA
         self.use_distributed_optimizer = use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor
         self.average_in_collective = average_in_collective
@@ -136,14 +150,24 @@ class Bucket:
         if self._launched or self._synced:
             return
         self._launched = True
-        if self.dp_size == 1:
+        if self.dp_size == 1 and self.replica_group is None:
             return
         op = dist.ReduceOp.SUM
         if self.average_in_collective:
             op = dist.ReduceOp.AVG
         elif self.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(self.gradient_scaling_factor)
-        if self.use_distributed_optimizer:
+        if self.replica_group is not None:
+            start, end = self.shard_range()
+            self._handle = reduce_scatter_all_reduce(
+                self.grad_data[start:end],
+                self.grad_data,
+                self.dp_group,
+                self.replica_group,
+                op=op,
+                stream=self.comm_stream,
+            )
+        elif self.use_distributed_optimizer:
             start, end = self.shard_range()
             self._handle = reduce_scatter_flat(
                 self.grad_data[start:end], self.grad_data, self.dp_group, op=op, async_op=True
@@ -200,6 +224,8 @@ class ParamAndGradBuffer:
         gradient_scaling_factor: float,
         average_in_collective: bool,
         separate_bucket_params: set[nn.Parameter] = frozenset(),
+        replica_group=None,
+        comm_stream=None,
     ):
         self.params = list(params)  # registration order
         self.param_dtype = self.params[0].dtype
@@ -250,6 +276,8 @@ class ParamAndGradBuffer:
                     use_distributed_optimizer=use_distributed_optimizer,
                     gradient_scaling_factor=gradient_scaling_factor,
                     average_in_collective=average_in_collective,
+                    replica_group=replica_group,
+                    comm_stream=comm_stream,
                 )
             )
         self.param_to_bucket = {p: self.buckets[b] for p, (_, _, b) in self.param_index.items()}

@@ -10,7 +10,10 @@
 The optimizer works on *shards*: for every parameter, the contiguous range of its flattened
 elements that this rank updates. Without the distributed optimizer that is the whole parameter;
 with it, the intersection of the parameter with the part of its gradient bucket that this dp
-rank owns (see `param_and_grad_buffer.py`), possibly empty. Each shard has an fp32 main copy
+rank owns (see `param_and_grad_buffer.py`), possibly empty. With several optimizer instances
+(--num-distributed-optimizer-instances) the ranks of each instance shard it alike, so the
+rank at the same place in another instance updates the same shard with the same gradient.
+Each shard has an fp32 main copy
 (for fp32 params, a view of the param itself) whose `.grad` is the matching slice of
 `param.main_grad`, and torch's AdamW updates the shards. After the step, main copies are cast
 back into the params and, with the distributed optimizer, all-gathered over dp.
@@ -102,9 +105,11 @@ class MixedPrecisionOptimizer:
                 config.loss_scale_window,
                 config.hysteresis,
             )
-        # groups over which gradient statistics are summed (see clip_grads.py)
-        # (the distributed optimizer's shards span the dp x cp ranks that hold the same weights)
-        self._stat_groups = [groups.mp_group] + ([groups.dp_cp_group] if self.distributed else [])
+        # groups over which gradient statistics are summed (see clip_grads.py): the distributed
+        # optimizer's shards of one instance span the dp x cp ranks holding the same weights
+        # (all of them with one instance; the other instances hold copies, counted once)
+        shard_group = groups.intra_distopt_group
+        self._stat_groups = [groups.mp_group] + ([shard_group] if self.distributed else [])
 
     # --- schedule hooks ---------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -207,8 +212,9 @@ class MixedPrecisionOptimizer:
     def param_state(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """{main, exp_avg, exp_avg_sq} of `param` as fp32 tensors of its full local shape.
 
-        Collective over dp with the distributed optimizer: every dp rank must call it for the
-        same params in the same order.
+        Collective over dp with the distributed optimizer (over this rank's instance under
+        --num-distributed-optimizer-instances): every dp rank must call it for the same params
+        in the same order.
         """
         shard = self._shard_of.get(param)
         pieces = []

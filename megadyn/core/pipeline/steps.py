@@ -8,7 +8,8 @@
 The schedules (schedules.py, interleaved.py) only decide the order of these calls and the
 communication between them; they hold no tensors themselves.
 
-A batch is a dict of [b, s] tensors: `tokens`, `position_ids`, `labels`, `loss_mask`. Every
+A batch is a dict of [b, s] tensors: `tokens`, `position_ids`, `labels`, `loss_mask` (and
+`document_ids` [b, S] under --reset-attention-mask, kept whole under cp). Every
 pipeline rank draws every micro batch from its iterator (in order, once) and, under context
 parallelism, keeps its cp rank's part of each sequence (context_parallel's `split_batch`); the
 first virtual
@@ -16,7 +17,7 @@ stage reads `tokens` / `position_ids`, the last computes `loss_fn(per_token_loss
 value divided by the number of micro batches is what is back-propagated, so gradients are the
 mean over micro batches.
 
-Chunks are called as `chunk(tokens=, position_ids=, labels=, hidden_states=)` (megadyn's
+Chunks are called as `chunk(tokens=, position_ids=, labels=, hidden_states=, document_ids=)` (megadyn's
 `GPTModel` contract): the last virtual stage returns per-token loss [b, s], others hidden
 states [s(/tp), b, h].
 """
@@ -152,6 +153,7 @@ class MicroBatchSteps:
                 position_ids=batch.get("position_ids"),
                 labels=batch["labels"] if last else None,
                 hidden_states=x,
+                document_ids=batch.get("document_ids"),
             )
             if last:
                 loss = self.loss_fn(output, batch)  # scalar: this micro batch's loss

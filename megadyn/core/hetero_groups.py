@@ -1,0 +1,134 @@
+"""Process groups of a heterogeneous layout, and the gradient sums across its replicas.
+
+    hetero = HeteroGroups.build(layout, backend="gloo")     # layout: a HeteroLayout
+    chunks = build_gpt_chunks(cfg, hetero.replica, stage_layers=hetero.stage_layers)
+    forward_backward(chunks, hetero.replica, batches, hetero.micro_batches, ...,
+                     loss_scale=hetero.batch_share)
+    reduce_hetero_grads(chunks, hetero)                      # then optimizer.step()
+    hetero.destroy()
+
+Each replica is one pipeline: its groups are those of the grid (tp, pp = its stages, dp 1)
+over its members (`ParallelGroups`), so the schedules, the p2p communication, tensor
+parallelism and the optimizer (global norm over the replica's model-parallel group) run on it
+unchanged. What differs is the data-parallel reduction: a replica runs `micro_batches` of the
+step's micro batches and back-propagates its losses divided by the whole step's count (its
+`batch_share` of the mean), and each weight's gradient is then summed over the ranks that hold
+it in every replica (`HeteroLayout.reduce_groups`: one group per layer range and tp rank, and
+the embedding ends), which replaces both the dp reduction and the tied-embedding sum of a grid.
+
+Every live process builds every group in one order (members or not), as `ParallelGroups.build`
+asks: first each replica's groups, then the reduce groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megadyn.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
+
+
+@dataclass
+class HeteroGroups:
+    """This rank's replica groups and its gradient-reduction groups in a heterogeneous layout."""
+
+    layout: HeteroLayout
+    rank: int
+    coords: HeteroCoords | None
+    replica: ParallelGroups | None
+    """This rank's pipeline as a (tp, pp, dp 1) grid; None for a non-member."""
+    reduce: dict = field(default_factory=dict)
+    """Reduce part (a layer range or an embedding end's name) -> process group, for the parts
+    this rank holds."""
+    _replicas: list[ParallelGroups] = field(default_factory=list)
+    _owned: list = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, layout: HeteroLayout, backend: str | None = None, timeout: timedelta | None = None
+    ) -> HeteroGroups:
+        backend = backend or dist.get_backend()
+        rank = dist.get_rank()
+        coords = layout.coords_of(rank) if rank in layout.members else None
+        replicas = [
+            ParallelGroups.build(layout.replica_layout(i), rep.members, backend, timeout)
+            for i, rep in enumerate(layout.replicas)
+        ]
+        out = cls(layout, rank, coords, replicas[coords.replica] if coords else None)
+        out._replicas = replicas
+        for group in layout.reduce_groups():
+            pg = dist.new_group(list(group.ranks), backend=backend, timeout=timeout)
+            if rank in group.ranks:
+                out._owned.append(pg)
+                out.reduce[group.part] = pg
+        return out
+
+    @property
+    def is_member(self) -> bool:
+        return self.coords is not None
+
+    @property
+    def stage_layers(self) -> tuple[range, ...]:
+        """Layers of each stage of this rank's replica."""
+        return self.layout.replicas[self.coords.replica].stage_layers
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro batches this rank's replica runs per step."""
+        return self.layout.replicas[self.coords.replica].micro_batches
+
+    @property
+    def microbatch_offset(self) -> int:
+        """Index of the replica's first micro batch among the step's."""
+        return self.layout.microbatch_offset(self.coords.replica)
+
+    @property
+    def batch_share(self) -> float:
+        """The replica's micro batches over the step's: the schedule's losses, divided by the
+        replica's count, times this, are each micro batch's share of the step's mean."""
+        return self.micro_batches / self.layout.num_microbatches
+
+    def destroy(self) -> None:
+        for group in reversed(self._owned):
+            dist.destroy_process_group(group)
+        self._owned.clear()
+        self.reduce.clear()
+        for replica in self._replicas:
+            replica.destroy()
+        self._replicas.clear()
+        self.replica = None
+
+
+def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> None:
+    """Make every gradient final for the optimizer step: finish the chunks' own (dp 1)
+    reductions, sum sequence-parallel grads over tp, then sum each weight's gradient over the
+    ranks holding it in every replica (one coalesced all-reduce per part)."""
+    replica = hetero.replica
+    for chunk in chunks:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if finish is not None:
+            finish()
+    if replica.layout.sequence_parallel and replica.tp_size > 1:
+        allreduce_sequence_parallel_grads(chunks, replica.tp_group)
+    ranges = hetero.layout.layer_ranges()
+    by_part: dict = {}
+    for chunk in chunks:
+        for name, param in getattr(chunk, "module", chunk).named_parameters():
+            grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+            if param.requires_grad and grad is not None:
+                by_part.setdefault(reduce_part(name, ranges), []).append(grad)
+    for part, group in hetero.reduce.items():  # the layout's order: the same on every rank
+        grads = by_part.get(part, [])
+        if not grads or dist.get_world_size(group) == 1:
+            continue
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
