@@ -109,6 +109,13 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"], default="nccl")
     p.add_argument(
+        "--fp8-format",
+        choices=["e4m3", "hybrid"],
+        default=None,
+        help="fp8 GEMMs in the transformer blocks' linear layers (hybrid: e5m2 gradients)",
+    )
+    p.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
     )
     return p.parse_args(argv)
@@ -132,6 +139,8 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport,
         cp_comm_type=a.cp_comm_type,
+        fp8_format=a.fp8_format,
+        fp8_recipe=a.fp8_recipe,
     )
     recompute = dict(
         none=RecomputeConfig(),
@@ -276,6 +285,7 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,
         gemm_sm_carveout=a.gemm_sm_carveout,
+        fp8=f"{a.fp8_format}/{a.fp8_recipe}" if a.fp8_format else None,
         attn="sdpa",
         attention_backend=a.attention_backend,
         recompute=a.recompute,
@@ -313,6 +323,7 @@ def profile(a, step, sync) -> None:
     if a.tp_comm_overlap:
         name += "_overlap" + ("_ce" if a.tp_comm_overlap_transport == "copy-engine" else "")
     name += "_graph" if a.cuda_graph else ""
+    name += f"_fp8_{a.fp8_format}_{a.fp8_recipe}" if a.fp8_format else ""
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:
         f.write(table)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from megadyn.core.layout import Layout, LayoutError, canonical_members
+from megadyn.core.tensor_parallel.fp8 import check_fp8_shapes
 from megadyn.core.tensor_parallel.layers import vocab_range
 from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib
 from megadyn.elastic.records import Request
@@ -143,6 +144,12 @@ def validate_for(layout: Layout, model_cfg, cfg) -> None:
         global_batch_size=cfg.training.global_batch_size,
         micro_batch_size=cfg.training.micro_batch_size,
     )
+    if model_cfg.fp8 is not None:
+        tokens = cfg.training.micro_batch_size * cfg.data.seq_length // layout.cp
+        try:
+            check_fp8_shapes(model_cfg.fp8_gemm_sizes, layout.tp, tokens)
+        except ValueError as err:
+            raise LayoutError(str(err)) from err
 
 
 def context_parallel_conflicts(cfg) -> list[str]:

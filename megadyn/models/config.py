@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -85,6 +87,13 @@ class GPTConfig:
     """How attention reaches the keys and values of the other context-parallel ranks
     (--cp-comm-type, Megatron's names): 'p2p' (a ring of exchanges overlapped with blockwise
     attention) or 'all_gather' (gather the whole sequence's keys and values once per layer)."""
+    fp8_format: str | None = None
+    """FP8 GEMMs in the transformer blocks' linear layers (--fp8-format): 'e4m3' (every
+    operand float8_e4m3fn) or 'hybrid' (e4m3 forward, e5m2 gradients); None: the model's
+    dtype. Embedding, output layer, norms and attention stay in the model's dtype."""
+    fp8_recipe: str = "tensorwise"
+    """Scaling of the FP8 operands (--fp8-recipe): 'tensorwise' (one dynamic scale per
+    tensor) or 'rowwise' (one per row along the GEMM's contraction dimension)."""
     apply_query_key_layer_scaling: bool = False
     """Unused by megadyn (scaled_dot_product_attention scales by 1/sqrt(d)); kept for flag parity."""
 
@@ -109,6 +118,26 @@ class GPTConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.fp8_format is None and self.fp8_recipe != "tensorwise":
+            raise ValueError("--fp8-recipe applies to --fp8-format: add it")
+        _ = self.fp8  # its own checks, naming the flags
+
+    @property
+    def fp8(self) -> Fp8Recipe | None:
+        """The linear layers' `fp8` recipe under --fp8-format, else None."""
+        if self.fp8_format is None:
+            return None
+        return Fp8Recipe(self.fp8_format, self.fp8_recipe)
+
+    @property
+    def fp8_gemm_sizes(self) -> dict[str, int]:
+        """The GEMM sizes split over tp, by the flags that set them (fp8.check_fp8_shapes)."""
+        qkv = self.query_groups * (self.num_attention_heads // self.query_groups + 2)
+        return {
+            "--hidden-size": self.hidden_size,
+            "--ffn-hidden-size": self.ffn_size,
+            "the fused QKV size (--num-query-groups x --hidden-size / heads)": qkv * self.head_dim,
+        }
 
     @property
     def comm_overlap(self) -> str | None:

@@ -103,6 +103,7 @@ class SelfAttention(nn.Module):
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
             comm_overlap=cfg.comm_overlap,
+            fp8=cfg.fp8,
             dtype=dtype,
             device=device,
         )
@@ -164,6 +165,7 @@ class MLP(nn.Module):
             sequence_parallel=sequence_parallel,
             grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
             comm_overlap=cfg.comm_overlap,
+            fp8=cfg.fp8,
             dtype=dtype,
             device=device,
         )

@@ -134,13 +134,15 @@ def _validate_recompute(cfg: MegadynConfig, layout: Layout) -> None:
 
 
 def _validate_kernels(cfg: MegadynConfig, layout: Layout) -> None:
-    """--tp-comm-overlap and its transport, --enable-cuda-graph."""
+    """--tp-comm-overlap and its transport, --fp8-format, --enable-cuda-graph."""
     model, train = cfg.model, cfg.training
     if model.tp_comm_overlap and not cfg.parallel.sequence_parallel:
         raise ConfigError(
             "--tp-comm-overlap overlaps sequence parallelism's collectives: it "
             "needs --sequence-parallel"
         )
+    if model.fp8 is not None and model.tp_comm_overlap:
+        raise ConfigError("--fp8-format does not run with --tp-comm-overlap yet: drop one of them")
     if model.tp_comm_overlap_transport != "nccl" and not model.tp_comm_overlap:
         raise ConfigError("--tp-comm-overlap-transport applies to --tp-comm-overlap: add it")
     if train.enable_cuda_graph:

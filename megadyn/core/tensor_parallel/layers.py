@@ -19,6 +19,10 @@ it under sequence parallelism) asynchronously while its weight gradient is compu
 'copy-engine', best as `groups.comm_overlap(transport)`, which carries the layout's
 communication resources) the all-gathers and the row-parallel reduce-scatter also run beside
 per-chunk GEMMs (sp_overlap.py).
+
+FP8 (`fp8`, an Fp8Recipe: --fp8-format, --fp8-recipe): the layer's three GEMMs take float8
+operands with dynamic scales (fp8.py); the communication above is the same, and the weight
+gradient, written in the weight's dtype, is added into `main_grad`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megadyn.core.tensor_parallel.fp8 import Fp8Gemms, Fp8Recipe
 from megadyn.core.tensor_parallel.mappings import (
     gather_from_region,
     gather_sequence,
@@ -42,7 +47,7 @@ from megadyn.core.tensor_parallel.sp_overlap import (
     reduce_scatter_start,
     row_parallel_overlap,
 )
-from megadyn.core.tensor_parallel.wgrad import fuse_wgrad, weight_grad
+from megadyn.core.tensor_parallel.wgrad import add_to_main_grad, fuse_wgrad, weight_grad
 
 
 class _LinearAsyncReduce(torch.autograd.Function):
@@ -58,45 +63,59 @@ class _LinearAsyncReduce(torch.autograd.Function):
     GEMM by sequence chunk (sp_overlap.py)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input, overlap):
+    def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input, overlap, fp8):
         y = None
         if gather_input and overlap:  # the own chunk's GEMM beside the all-gather
             x, y = all_gather_linear(x, weight, bias, input_group, overlap)
         elif gather_input:
             x = gather_sequence(x, input_group)  # [s, b, in]
-        ctx.save_for_backward(x, weight)
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
-        ctx.gather_input, ctx.overlap = gather_input, overlap
+        ctx.gather_input, ctx.overlap, ctx.fp8 = gather_input, overlap, fp8
+        ctx.x_shape = x.shape
         if y is not None:
+            ctx.save_for_backward(x, weight)
             return y
-        if group_size(output_group) == 1:
-            return F.linear(x, weight, bias)
-        if bias is not None:
+        if group_size(output_group) > 1 and bias is not None:
             raise ValueError("a summed output takes its bias after the sum")
-        y = F.linear(x, weight)
-        dist.all_reduce(y, group=output_group)
+        if fp8 is not None:  # fp8 operands (tensorwise: x and W kept in fp8 for backward)
+            x2d, (need_x, need_w) = x.reshape(-1, x.shape[-1]), ctx.needs_input_grad[:2]
+            y, saved = fp8.forward(x2d, weight, bias, need_x, need_w)  # [tokens, out]
+            ctx.save_for_backward(*saved)
+            ctx.weight = weight  # the parameter, for main_grad
+            y = y.view(*x.shape[:-1], y.shape[-1])
+        else:
+            ctx.save_for_backward(x, weight)
+            y = F.linear(x, weight, bias)
+        if group_size(output_group) > 1:
+            dist.all_reduce(y, group=output_group)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        grad_x, wait, finish = None, None, None
-        if ctx.needs_input_grad[0]:
-            grad_x = g.matmul(weight)  # [..., in], a partial sum over tp
+        g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
+        if ctx.fp8 is not None:
+            grad_x, fp8_wgrad = ctx.fp8.backward(ctx.saved_tensors, g2d, ctx.needs_input_grad[0])
+            grad_x = None if grad_x is None else grad_x.view(*ctx.x_shape)
+        else:
+            x, weight = ctx.saved_tensors
+            grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None  # [..., in]
+        wait, finish, grad_w = None, None, None
+        if grad_x is not None:  # a partial sum over tp
             if ctx.gather_input:  # finish() returns the reduced grad_x
                 finish = reduce_scatter_start(grad_x, ctx.group, ctx.overlap or "nccl")
             elif group_size(ctx.group) > 1:
                 wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
-        g2d = g.reshape(-1, g.shape[-1])  # [tokens, out]
-        grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.fp8 is None and ctx.needs_input_grad[1]:
             grad_w = weight_grad(weight, g2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
+        elif ctx.needs_input_grad[1]:  # fp8: in the weight's dtype, then into main_grad
+            grad_w = fp8_wgrad(ctx.weight.dtype)
+            grad_w = add_to_main_grad(ctx.weight, grad_w) if ctx.fuse else grad_w
         grad_b = g2d.sum(0) if ctx.has_bias else None
         if wait is not None:
             wait()
         if finish is not None:
             grad_x = finish()
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _linear(
@@ -108,19 +127,28 @@ def _linear(
     output_group=None,
     gather_input=False,
     overlap=None,
+    fp8=None,
 ):
     """F.linear with the input gradient all-reduced (or, with `gather_input`, the input
     all-gathered and its gradient reduce-scattered) over `input_group`, overlapped with the
     weight-gradient GEMM, or the output all-reduced over `output_group`; the weight gradient
     goes into `main_grad` when `fuse_wgrad` allows. `overlap` (sequence parallelism,
     --tp-comm-overlap: its transport) runs the own sequence chunk's GEMM beside the
-    all-gather."""
+    all-gather. `fp8` (an Fp8Gemms) runs the three GEMMs on float8 operands (fp8.py)."""
     fuse = fuse_wgrad(weight, fuse)
-    if fuse or group_size(input_group) > 1 or group_size(output_group) > 1:
+    if fuse or fp8 or group_size(input_group) > 1 or group_size(output_group) > 1:
         return _LinearAsyncReduce.apply(
-            x, weight, bias, input_group, output_group, fuse, gather_input, overlap
+            x, weight, bias, input_group, output_group, fuse, gather_input, overlap, fp8
         )
     return F.linear(x, weight, bias)
+
+
+def _fp8_gemms(recipe: Fp8Recipe | None, tp_group, column: bool, comm_overlap) -> Fp8Gemms | None:
+    if recipe is None:
+        return None
+    if comm_overlap:
+        raise ValueError("--fp8-format does not run with --tp-comm-overlap yet: drop one of them")
+    return Fp8Gemms(recipe, tp_group, column)
 
 
 def mark_param(param: nn.Parameter, partition_dim: int = -1, sequence_parallel: bool = False):
@@ -160,12 +188,14 @@ class ColumnParallelLinear(nn.Module):
         skip_weight: bool = False,
         grad_accumulation_fusion: bool = True,
         comm_overlap: Overlap | None = None,
+        fp8: Fp8Recipe | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.grad_accumulation_fusion = grad_accumulation_fusion
+        self.fp8 = _fp8_gemms(fp8, tp_group, column=True, comm_overlap=comm_overlap)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.comm_overlap = comm_overlap if sequence_parallel else None
@@ -190,6 +220,7 @@ class ColumnParallelLinear(nn.Module):
             self.tp_group,
             gather_input=self.sequence_parallel,
             overlap=self.comm_overlap,
+            fp8=self.fp8 if own_weight else None,  # a tied weight is the output layer's
         )
         if self.gather_output:
             y = gather_from_region(y, self.tp_group)  # [s, b, out]
@@ -213,6 +244,7 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         grad_accumulation_fusion: bool = True,
         comm_overlap: Overlap | None = None,
+        fp8: Fp8Recipe | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -220,6 +252,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.grad_accumulation_fusion = grad_accumulation_fusion
+        self.fp8 = _fp8_gemms(fp8, tp_group, column=False, comm_overlap=comm_overlap)
         self.comm_overlap = comm_overlap if sequence_parallel else None
         local = divide(input_size, group_size(tp_group), "input size")
         self.weight = mark_param(_empty((output_size, local), dtype, device), 1)
@@ -235,10 +268,10 @@ class RowParallelLinear(nn.Module):
             fuse = fuse_wgrad(self.weight, fuse)
             y = row_parallel_overlap(x, self.weight, self.tp_group, fuse, self.comm_overlap)
         elif self.sequence_parallel:
-            y = _linear(x, self.weight, None, fuse)  # partial sums [s, b, out]
+            y = _linear(x, self.weight, None, fuse, fp8=self.fp8)  # partial sums [s, b, out]
             y = reduce_scatter_to_sequence(y, self.tp_group)  # [s/tp, b, out]
-        else:
-            y = _linear(x, self.weight, None, fuse, output_group=self.tp_group)  # [s, b, out]
+        else:  # [s, b, out]
+            y = _linear(x, self.weight, None, fuse, output_group=self.tp_group, fp8=self.fp8)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -47,9 +47,19 @@ def weight_grad(weight, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool) -> tor
     if not fuse:
         return g2d.t().mm(x2d)
     main_grad = weight.main_grad  # [out, in] fp32
-    if _fused_wgrad_works(g2d.device):
-        torch.addmm(main_grad, g2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
-    else:
-        main_grad.add_(g2d.t().mm(x2d))
+    if not _fused_wgrad_works(g2d.device):
+        return add_to_main_grad(weight, g2d.t().mm(x2d))
+    torch.addmm(main_grad, g2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
+    return _added(weight)
+
+
+def add_to_main_grad(weight, grad_w: torch.Tensor) -> torch.Tensor:
+    """Add a computed weight gradient (fp8 GEMMs write one in fp32) into `weight.main_grad`;
+    the placeholder to hand autograd."""
+    weight.main_grad.add_(grad_w)
+    return _added(weight)
+
+
+def _added(weight) -> torch.Tensor:
     weight.grad_added_to_main_grad = True
     return torch.empty_like(weight)  # autograd needs a gradient for the DDP hook to fire
