@@ -62,8 +62,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 def row_args(row: str, seq: int, c: argparse.Namespace, recompute: str = "none"):
     flags = (ROWS[row] or []) + c.model_flags
-    if recompute != "none":  # the fused weight gradient reads `main_grad` from the parameter,
-        flags = flags + ["--no-grad-accumulation-fusion"]  # which recomputation's saved copy lacks
     return parse_args(
         flags
         + ["--seq", str(seq), "--mbs", "1", "--gbs", str(max(1, c.tokens // seq))]

@@ -164,3 +164,15 @@ def test_the_loss_scale_reaches_the_backward_pass():
     fp16 = train(1, *eps, "--fp16", "--loss-scale", "4096")
     close(fp16, fp32, rtol=2e-2)
     assert fp32[-1] < fp32[0] - 0.05, fp32
+
+
+def test_recomputation_in_bf16_trains_like_no_recomputation():
+    """bf16 adds weight gradients straight into the fp32 main_grad (gradient-accumulation
+    fusion): under full recomputation the backward sees the recomputed forward's copies of
+    the weights, and must still reach the parameters' main_grad. Recomputation replays the
+    same operations, so the losses are equal."""
+    bf16 = ("--bf16", "--tensor-model-parallel-size", "2")
+    plain = train(2, *bf16)
+    full = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+    close(train(2, *bf16, *full, "--recompute-num-layers", "1"), plain)
+    close(train(2, *bf16, "--recompute-granularity", "selective"), plain)

@@ -72,6 +72,9 @@ class _LinearAsyncReduce(torch.autograd.Function):
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
         ctx.gather_input, ctx.overlap, ctx.fp8 = gather_input, overlap, fp8
         ctx.x_shape = x.shape
+        # the parameter itself, for its main_grad: under recomputation the saved tensors come
+        # back as the recomputed forward's detached copies, which lack it
+        ctx.weight = weight
         if y is not None:
             ctx.save_for_backward(x, weight)
             return y
@@ -81,7 +84,6 @@ class _LinearAsyncReduce(torch.autograd.Function):
             x2d, (need_x, need_w) = x.reshape(-1, x.shape[-1]), ctx.needs_input_grad[:2]
             y, saved = fp8.forward(x2d, weight, bias, need_x, need_w)  # [tokens, out]
             ctx.save_for_backward(*saved)
-            ctx.weight = weight  # the parameter, for main_grad
             y = y.view(*x.shape[:-1], y.shape[-1])
         else:
             ctx.save_for_backward(x, weight)
@@ -106,7 +108,7 @@ class _LinearAsyncReduce(torch.autograd.Function):
             elif group_size(ctx.group) > 1:
                 wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
         if ctx.fp8 is None and ctx.needs_input_grad[1]:
-            grad_w = weight_grad(weight, g2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
+            grad_w = weight_grad(ctx.weight, g2d, x.reshape(-1, x.shape[-1]), ctx.fuse)
         elif ctx.needs_input_grad[1]:  # fp8: in the weight's dtype, then into main_grad
             grad_w = fp8_wgrad(ctx.weight.dtype)
             grad_w = add_to_main_grad(ctx.weight, grad_w) if ctx.fuse else grad_w

@@ -181,6 +181,7 @@ class _RowSequenceOverlap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, fuse, transport):
         ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # the parameter (its main_grad): see _LinearAsyncReduce.forward
         ctx.group, ctx.fuse, ctx.transport = group, fuse, transport
         return linear_reduce_scatter(x, weight, group, transport)
 
@@ -202,14 +203,14 @@ class _RowSequenceOverlap(torch.autograd.Function):
             gx2d = grad_x.view(-1, grad_x.shape[-1])
             _mm_rows(g_own, weight, gx2d[own])
         if ctx.needs_input_grad[1]:
-            grad_w = weight_grad(weight, g_own, x2d[own], ctx.fuse)
+            grad_w = weight_grad(ctx.weight, g_own, x2d[own], ctx.fuse)
         wait()
         gf2d = g_full.view(-1, g_full.shape[-1])
         for rows in others:
             if gx2d is not None:
                 _mm_rows(gf2d[rows], weight, gx2d[rows])
             if grad_w is not None and rows.stop > rows.start:
-                part = weight_grad(weight, gf2d[rows], x2d[rows], ctx.fuse)
+                part = weight_grad(ctx.weight, gf2d[rows], x2d[rows], ctx.fuse)
                 grad_w = grad_w if ctx.fuse else grad_w + part  # fused: added to main_grad
         return grad_x, grad_w, None, None, None
 
