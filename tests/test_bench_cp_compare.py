@@ -15,7 +15,7 @@ def test_rows_alternate_their_order_and_extras_run_last():
     ]  # fmt: skip
     a = row_args("cp2", 8192, c, "full")
     assert (a.cp, a.tp, a.seq, a.mbs, a.gbs, a.layers, a.recompute) == (2, 1, 8192, 1, 4, 2, "full")
-    assert a.no_grad_accumulation_fusion  # recomputation's saved weights lack `main_grad`
+    assert not a.no_grad_accumulation_fusion  # the default weight-gradient path, as other rows
 
 
 def test_summary_medians_and_per_round_ratios(tmp_path):
