@@ -57,8 +57,6 @@ def test_document_flags_reach_the_config_and_run_under_cp():
         ("--context-parallel-size 2 --attention-dropout 0.1", 2, "--context-parallel-size"),
         ("--context-parallel-size 2 --enable-cuda-graph --hidden-dropout 0", 2,
          "--context-parallel-size"),
-        ("--context-parallel-size 2 --elastic-snapshot-interval 2", 2,
-         "--context-parallel-size"),
         ("--context-parallel-size 0", 2, "--context-parallel-size"),
         ("--cp-comm-type all_gather", 2, "--cp-comm-type"),
         ("--context-parallel-size 2 --cp-comm-type a2a", 2, "--cp-comm-type"),
