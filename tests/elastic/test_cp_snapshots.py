@@ -1,6 +1,7 @@
 """In-memory snapshots under context parallelism: a cp 2 job that stops after its snapshot of
 iteration 4 (as a killed job would, its snapshot dir kept) resumes from it at cp 2 and under
-another layout (dp 2), with the uninterrupted cp 1 run's losses and every sample drawn once."""
+another layout (dp 2), with the uninterrupted cp 1 run's losses and every sample drawn once;
+with attention dropout the resumed step draws the stopped run's masks."""
 
 import re
 import shutil
@@ -53,3 +54,13 @@ def test_a_cp2_job_resumes_from_its_snapshot_at_cp2_and_at_dp2(tmp_path, capfd):
         drawn = Counter(i for run in (stopped, resumed) for _, samples in run for i in samples)
         assert sorted(drawn) == list(range(GLOBAL_BATCH * ITERS)), (name, drawn)
         assert set(drawn.values()) == {1}, (name, drawn)
+
+
+def test_a_cp2_job_with_attention_dropout_resumes_with_the_same_masks(tmp_path):
+    """The tracker's stream, alike on the cp ranks, comes back from the snapshot: the resumed
+    step 5 draws the stopped run's masks (its loss is the same to the bit)."""
+    argv = COMMON + CP2 + ["--attention-dropout", "0.2", "--elastic-snapshot-interval", "2"]
+    argv += ["--elastic-snapshot-dir", str(tmp_path)]
+    stopped = spawn(trained, world=2, args=(argv, STOP))[-1][0]
+    resumed = spawn(trained, world=2, args=(argv,))[-1][0]
+    assert len(resumed) == ITERS - SNAPSHOT and resumed[0] == stopped[SNAPSHOT], (stopped, resumed)
