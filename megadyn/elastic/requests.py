@@ -153,14 +153,14 @@ def validate_for(layout: Layout, model_cfg, cfg) -> None:
 
 
 def context_parallel_conflicts(cfg) -> list[str]:
-    """The flags of this job that context parallelism does not run with yet: validation refuses
-    them with --context-parallel-size > 1, and the layout planner then considers cp 1 only."""
-    el = cfg.elastic
+    """The flags of this job that context parallelism does not run with yet, the one place
+    where they are listed: validation refuses them with --context-parallel-size > 1, and the
+    layout planner then considers cp 1 only. In-memory snapshots are layout-free DCP
+    checkpoints like --save's, so they run under cp (and resume under any other layout);
+    attention dropout draws reproducible per-block masks (core/context_parallel/dropout.py)."""
     unsupported = {
-        "--attention-dropout > 0": cfg.model.attention_dropout > 0,
         "--enable-cuda-graph": cfg.training.enable_cuda_graph,
         "--tp-comm-overlap": cfg.model.tp_comm_overlap,
-        "--elastic-snapshot-interval": el.snapshot_interval > 0,
     }
     return [flag for flag, used in unsupported.items() if used]
 

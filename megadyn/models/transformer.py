@@ -113,22 +113,27 @@ class SelfAttention(nn.Module):
     def core_attention(self, q, k, v, documents: DocumentMask | None = None):
         """softmax(q k^T / sqrt(d)) v, causal; q [b, n, s, d], k and v [b, g, s, d]."""
         p = self.cfg.attention_dropout if self.training else 0.0
+        # under dropout the heads differ per tp rank: the tracker's per-rank stream
+        fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         if self.cp_group is not None:
-            if p > 0.0:
-                raise ValueError("--attention-dropout must be 0 with --context-parallel-size > 1")
             ids = None if documents is None else documents.document_ids
-            backend = self.cfg.attention_backend
-            return context_parallel_attention(
-                q, k, v, self.cp_group, self.cfg.cp_comm_type, document_ids=ids, backend=backend
-            )
+            with fork or contextlib.nullcontext():  # the cp masks' seed (context_parallel/)
+                return context_parallel_attention(
+                    q,
+                    k,
+                    v,
+                    self.cp_group,
+                    self.cfg.cp_comm_type,
+                    document_ids=ids,
+                    backend=self.cfg.attention_backend,
+                    dropout_p=p,
+                )
         if documents is not None:
             if p > 0.0:
                 raise ValueError("--attention-dropout must be 0 with --reset-attention-mask")
             return document_attention(q, k, v, documents)
         gqa = self.groups != self.heads
-        fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         with fork or contextlib.nullcontext(), attention_kernels(self.cfg.attention_backend, q):
-            # under dropout the heads differ per tp rank: the tracker's per-rank stream
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
             )

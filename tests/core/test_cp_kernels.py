@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
+from megadyn.core.context_parallel.dropout import block_dropout
 from megadyn.core.context_parallel.kernels import (
     block_kernels,
     cudnn_block_backward,
@@ -51,10 +52,14 @@ def test_fused_block_equals_math_block(sq, sk, causal):
         assert got.shape == want.shape and max_rel(got, want) < 1e-5
 
 
-def blockwise_attention(q, k, v, forward, backward, dout, scale):
+def blockwise_attention(q, k, v, forward, backward, dout, scale, dropout=None):
     """Causal attention over two key blocks as the ring computes it: the diagonal block causal,
     the earlier block unmasked; merged by log-sum-exp, each block's backward given the final
-    output and log-sum-exp. Returns the output and (dq, dk, dv)."""
+    output and log-sum-exp; each block given its part of `dropout` [b, n, s, s] (the dropout
+    scale of every query/key pair) when one is. Returns the output and (dq, dk, dv)."""
+    extra = (
+        (lambda rows, cols: ()) if dropout is None else (lambda r, c: (None, dropout[..., r, c]))
+    )
     half = k.shape[2] // 2  # the second block's queries see all of the first block's keys
     blocks = [  # (query rows, key columns, causal)
         (slice(0, half), slice(0, half), True),
@@ -64,14 +69,16 @@ def blockwise_attention(q, k, v, forward, backward, dout, scale):
     out = torch.zeros_like(q, dtype=torch.float64)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64, device=q.device)
     for rows, cols, causal in blocks:
-        o, s = forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale)
+        o, s = forward(
+            q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, scale, *extra(rows, cols)
+        )
         merge_into(out[:, :, rows], lse[:, :, rows], o.double(), s.double())
     out, lse = out.to(q.dtype), lse.float()
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, cols, causal in blocks:
         g = backward(
             dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-            out[:, :, rows], lse[:, :, rows], causal, scale,
+            out[:, :, rows], lse[:, :, rows], causal, scale, *extra(rows, cols),
         )  # fmt: skip
         dq[:, :, rows] += g[0].to(q.dtype)
         dk[:, :, cols] += g[1].to(k.dtype)
@@ -96,6 +103,31 @@ def test_fused_blocks_merge_into_the_whole_attention():
     assert max_rel(out, ref_out) < 1e-5
     for got, want in zip(grads, ref_grads, strict=True):
         assert max_rel(got, want) < 1e-5
+
+
+def test_math_blocks_with_dropout_merge_into_the_dropped_attention():
+    """Attention dropout scales each block's probabilities while the log-sum-exp stays the
+    undropped one: the merged blocks and their gradients equal autograd's through softmax,
+    the same mask and the values (fp64, within 1e-6: the helper keeps the log-sum-exp in
+    fp32); the fused kernels refuse a mask."""
+    q, k, v = (t.double() for t in qkv(16, 16, seed=3))
+    dout = torch.randn(B, N, 16, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    drop = block_dropout(5, 0.3, 1, 2, (B, N, 16, 16), "cpu").double()  # [b, n, sq, sk]
+    assert drop.eq(0).any() and drop.ne(0).any()
+    out, grads = blockwise_attention(q, k, v, block_forward, block_backward, dout, D**-0.5, drop)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    scores = q @ k.repeat_interleave(N // G, 1).transpose(-1, -2) * D**-0.5
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (scores.softmax(-1) * drop) @ v.repeat_interleave(N // G, 1)
+    ref.backward(dout)
+    assert max_rel(out, ref.detach()) < 1e-10
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        assert max_rel(got, want) < 1e-6
+    with pytest.raises(ValueError, match="dropout"):
+        fused_block_forward(q, k, v, True, D**-0.5, None, drop)
+    assert block_dropout(5, 0.3, 1, 2, (1, 1, 4, 4), "cpu").equal(
+        block_dropout(5, 0.3, 1, 2, (1, 1, 4, 4), "cpu")
+    )  # drawn again for the backward: the same mask
 
 
 def test_kernel_names_and_backends():

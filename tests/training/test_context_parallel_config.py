@@ -54,10 +54,7 @@ def test_document_flags_reach_the_config_and_run_under_cp():
         ("--context-parallel-size 3", 6, "--seq-length"),  # 16 is not 2 x 3 chunks
         ("--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
          "--seq-length 24", 8, "--seq-length"),  # 24 % (2 x 2 x 4)
-        ("--context-parallel-size 2 --attention-dropout 0.1", 2, "--context-parallel-size"),
         ("--context-parallel-size 2 --enable-cuda-graph --hidden-dropout 0", 2,
-         "--context-parallel-size"),
-        ("--context-parallel-size 2 --elastic-snapshot-interval 2", 2,
          "--context-parallel-size"),
         ("--context-parallel-size 0", 2, "--context-parallel-size"),
         ("--cp-comm-type all_gather", 2, "--cp-comm-type"),

@@ -1,7 +1,8 @@
 """pretrain_gpt.py's job with context parallelism trains like cp 1: at cp 2 with the
 distributed optimizer sharded over dp x cp, after a resume at cp 1 from its checkpoint, across
 live changes tp 2 -> cp 2 -> dp 2 (tools/elastic_ctl.py's requests), and with the document
-flags on packed mock samples."""
+flags on packed mock samples; with attention dropout, cp 2 draws the same masks in every run
+and under recomputation."""
 
 import os
 from collections import Counter
@@ -66,3 +67,24 @@ def test_document_flags_train_alike_at_cp2_and_change_the_losses(single):
     masked = train(1, *DOCUMENT_FLAGS)
     close(train(2, "--context-parallel-size", "2", *DOCUMENT_FLAGS), masked)
     assert all(abs(a - b) > 1e-4 for a, b in zip(masked, single))
+
+
+def test_attention_dropout_at_cp2_is_reproducible_and_recomputed_alike(single):
+    """Both --cp-comm-type variants: two runs give the same losses, and so does a run with
+    recomputation (its gradients, hence its updates, are identical); dropout changes them."""
+    full = ("full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    for comm, recompute in (("p2p", ("selective",)), ("all_gather", full)):
+        drop = (
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            comm,
+            "--attention-dropout",
+            "0.2",
+        )
+        first = train(2, *drop)
+        changed = zip(first[1:], single[1:])  # at step 1 the small init's change is ~1e-6
+        assert all(abs(a - b) > 1e-4 for a, b in changed), (comm, first, single)
+        if comm == "p2p":
+            assert train(2, *drop) == first
+        assert train(2, *drop, "--recompute-granularity", *recompute) == first, comm

@@ -10,6 +10,7 @@ gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
 
 from megadyn.core.context_parallel.all_gather import all_gather_attention
 from megadyn.core.context_parallel.comm import RingExchange, all_reduce_sum
+from megadyn.core.context_parallel.dropout import block_dropout, call_seed
 from megadyn.core.context_parallel.kernels import block_kernels, kernel_for_backend
 from megadyn.core.context_parallel.ring import ring_attention
 from megadyn.core.context_parallel.sequence import (
@@ -24,16 +25,28 @@ CP_COMM_TYPES = {"p2p": ring_attention, "all_gather": all_gather_attention}
 
 
 def context_parallel_attention(
-    q, k, v, group, comm_type: str = "p2p", scale=None, document_ids=None, backend: str = "auto"
+    q,
+    k,
+    v,
+    group,
+    comm_type: str = "p2p",
+    scale=None,
+    document_ids=None,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
 ):
     """Causal attention of this cp rank's queries q [b, n, s, d] over the whole sequence; k and
     v [b, g, s, d] are this rank's part (sequence.py's two chunks). With `document_ids`
     [b, S] (the whole sequence's, on every cp rank) a query sees keys of its document only.
     `backend` (--attention-backend) picks the ring's block kernel (kernels.py); the
-    all-gather variant runs torch's SDPA with the mask of the global positions."""
+    all-gather variant runs torch's SDPA with the mask of the global positions. With
+    `dropout_p` > 0 one seed is drawn from the current stream (call inside the tracker's
+    fork) and the attention runs through the math kernels (dropout.py)."""
+    dropout = (dropout_p, call_seed(q.device)) if dropout_p > 0.0 else None
     if comm_type == "p2p":
-        return ring_attention(q, k, v, group, scale, document_ids, kernel_for_backend(backend))
-    return CP_COMM_TYPES[comm_type](q, k, v, group, scale, document_ids)
+        kernel = kernel_for_backend(backend)
+        return ring_attention(q, k, v, group, scale, document_ids, kernel, dropout)
+    return CP_COMM_TYPES[comm_type](q, k, v, group, scale, document_ids, dropout)
 
 
 __all__ = [
@@ -41,7 +54,9 @@ __all__ = [
     "RingExchange",
     "all_gather_attention",
     "all_reduce_sum",
+    "block_dropout",
     "block_kernels",
+    "call_seed",
     "chunk_ids",
     "context_parallel_attention",
     "kernel_for_backend",

@@ -7,7 +7,9 @@ log-sum-exp that lets blocks computed apart be merged into the softmax over all 
 
 `visible` [b, 1, sq, sk] (bool, optional) masks further: the documents of a packed sequence.
 A query row that sees no key of a block gets output 0 and log-sum-exp -inf, which merging
-ignores.
+ignores. `dropout` [b, n, sq, sk] (optional, dropout.py) scales the probabilities: 1/(1-p) where
+kept, 0 where dropped. The log-sum-exp stays that of the undropped scores, so merged blocks give
+the dropped softmax of the whole row, and the backward takes the same `dropout` again.
 
 `block_backward` takes the *final* output and log-sum-exp of the query rows (over every key
 block): exp(scores - lse_all) is then this block's share of the full softmax, so the gradients
@@ -54,7 +56,7 @@ def _scores(q, k, causal: bool, scale: float, visible=None) -> torch.Tensor:
 
 
 def block_forward(
-    q, k, v, causal: bool, scale: float, visible=None
+    q, k, v, causal: bool, scale: float, visible=None, dropout=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, n, sq, d] over k, v [b, g, sk, d]: output [b, n, sq, d] (accumulation precision) and
     log-sum-exp of the scores [b, n, sq]."""
@@ -65,6 +67,8 @@ def block_forward(
     if visible is not None:  # rows without a visible key: probabilities 0, not NaN
         shift = lse.masked_fill(lse == float("-inf"), 0.0)
     probs = torch.exp(scores - shift.unsqueeze(-1))
+    if dropout is not None:
+        probs = probs * dropout
     return torch.matmul(probs, _acc(_expand(v, heads))), lse
 
 
@@ -77,7 +81,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out, block_lse) -> No
     lse.copy_(new_lse)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=None):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=None, dropout=None):
     """Gradients (accumulation precision) of q, k, v for one block, given the final `out` and `lse` of q's rows
     and the gradient `dout` of `out`: dq [b, n, sq, d], dk and dv [b, g, sk, d]."""
     heads, groups = q.shape[1], k.shape[1]
@@ -85,9 +89,12 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=
     dout = _acc(dout)
     scores = _scores(q, k_all, causal, scale, visible)  # [b, n, sq, sk]
     probs = torch.exp(scores - lse.unsqueeze(-1))
-    dv = torch.matmul(probs.transpose(-1, -2), dout)  # [b, n, sk, d]
+    kept = probs if dropout is None else probs * dropout
+    dv = torch.matmul(kept.transpose(-1, -2), dout)  # [b, n, sk, d]
     dprobs = torch.matmul(dout, v_all.transpose(-1, -2))  # [b, n, sq, sk]
-    delta = (dout * _acc(out)).sum(-1, keepdim=True)  # [b, n, sq, 1]
+    if dropout is not None:
+        dprobs = dprobs * dropout
+    delta = (dout * _acc(out)).sum(-1, keepdim=True)  # [b, n, sq, 1]: out is the dropped one
     dscores = probs * (dprobs - delta) * scale
     dq = torch.matmul(dscores, k_all)  # [b, n, sq, d]
     dk = torch.matmul(dscores.transpose(-1, -2), _acc(q))  # [b, n, sk, d]

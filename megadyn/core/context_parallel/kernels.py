@@ -5,8 +5,9 @@ log-sum-exp that merges blocks; the same interface as blocks.py's math path:
     dq, dk, dv = fused_block_backward(dout, q, k, v, out_all, lse_all, causal, scale)
     forward, backward = block_kernels(q, "flash")              # "flash", "cudnn", "math"; None: auto
 
-Each function takes a trailing `visible` (blocks.py's document mask) for the ring's uniform
-call; the fused kernels refuse one, and `block_kernels(..., masked=True)` gives the math path.
+Each function takes a trailing `visible` (blocks.py's document mask) and `dropout` (its
+attention dropout scale) for the ring's uniform call; the fused kernels refuse them, and
+`block_kernels(..., masked=True)` gives the math path.
 
 q [b, n, sq, d] has n heads, k and v [b, g, sk, d] have g key/value heads (grouped queries are
 expanded to n heads for the kernel, and their gradients summed back). `causal` masks key j for
@@ -43,17 +44,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _unmasked(visible) -> None:
-    if visible is not None:
-        raise ValueError("the fused block kernels take no document mask (masked blocks: math)")
+def _unmasked(visible, dropout=None) -> None:
+    if visible is not None or dropout is not None:
+        raise ValueError(
+            "the fused block kernels take no document mask or dropout (those blocks: math)"
+        )
 
 
 def fused_block_forward(
-    q, k, v, causal: bool, scale: float, visible=None
+    q, k, v, causal: bool, scale: float, visible=None, dropout=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, n, sq, d] over k, v [b, g, sk, d] by the fused kernel: output
     [b, n, sq, d] (q's dtype) and log-sum-exp of the scaled scores [b, n, sq] (fp32)."""
-    _unmasked(visible)
+    _unmasked(visible, dropout)
     heads = q.shape[1]
     q, k, v = _rows(q), _rows(_expand(k, heads)), _rows(_expand(v, heads))
     if q.device.type != "cpu":  # CUDA (and meta tensors, which check the call)
@@ -62,11 +65,13 @@ def fused_block_forward(
     return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-def fused_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=None):
+def fused_block_backward(
+    dout, q, k, v, out, lse, causal: bool, scale: float, visible=None, dropout=None
+):
     """Gradients of q, k, v for one block by the fused kernel, given the final `out` and `lse`
     of q's rows over all key blocks and the gradient `dout` of `out`: dq [b, n, sq, d], dk and
     dv [b, g, sk, d], in the inputs' dtype."""
-    _unmasked(visible)
+    _unmasked(visible, dropout)
     heads, groups = q.shape[1], k.shape[1]
     q, dout, out, lse = _rows(q), _rows(dout.to(q.dtype)), _rows(out.to(q.dtype)), _rows(lse)
     k, v = _rows(_expand(k, heads)), _rows(_expand(v, heads))
@@ -85,9 +90,9 @@ def fused_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, vi
     return dq, _reduce_heads(dk, groups), _reduce_heads(dv, groups)
 
 
-def cudnn_block_forward(q, k, v, causal: bool, scale: float, visible=None):
+def cudnn_block_forward(q, k, v, causal: bool, scale: float, visible=None, dropout=None):
     """`fused_block_forward` through torch's cuDNN attention (CUDA)."""
-    _unmasked(visible)
+    _unmasked(visible, dropout)
     heads = q.shape[1]
     q, k, v = _rows(q), _rows(_expand(k, heads)), _rows(_expand(v, heads))
     res = _aten._scaled_dot_product_cudnn_attention(
@@ -96,9 +101,11 @@ def cudnn_block_forward(q, k, v, causal: bool, scale: float, visible=None):
     return res[0], res[1].squeeze(-1)  # cuDNN's log-sum-exp is [b, n, sq, 1]
 
 
-def cudnn_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible=None):
+def cudnn_block_backward(
+    dout, q, k, v, out, lse, causal: bool, scale: float, visible=None, dropout=None
+):
     """`fused_block_backward` through torch's cuDNN attention (CUDA)."""
-    _unmasked(visible)
+    _unmasked(visible, dropout)
     heads, groups = q.shape[1], k.shape[1]
     q, dout, out = _rows(q), _rows(dout.to(q.dtype)), _rows(out.to(q.dtype))
     k, v = _rows(_expand(k, heads)), _rows(_expand(v, heads))
@@ -129,7 +136,8 @@ def kernel_for_backend(backend: str) -> str | None:
 def block_kernels(q: torch.Tensor, kernel: str | None = None, masked: bool = False):
     """(forward, backward) for blocks like `q`: `kernel` by name, or for None flash on CUDA in
     16-bit (head sizes up to 256) and blocks.py's math path otherwise; the math path for
-    `masked` blocks (document masks), which the fused kernels do not take."""
+    `masked` blocks (document masks or attention dropout), which the fused kernels do not
+    take."""
     if masked:
         return KERNELS["math"]
     if kernel is None:

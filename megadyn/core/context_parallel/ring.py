@@ -12,7 +12,8 @@ chunks o and 2cp-1-o, and only part of the causal attention is not masked:
 so every step computes two chunks' worth of scores: the work is balanced over ranks and steps.
 With `document_ids` (--reset-attention-mask) a block is further masked to query/key pairs of
 the same document, and skipped, forward and backward, when it has none (its keys and values
-still travel on).
+still travel on). With attention dropout (`dropout_p` and a `seed`, dropout.py) each block's
+mask comes from a generator seeded by (seed, rank, step); the backward draws it again.
 Each block runs through kernels.py's kernels (torch's flash kernels on CUDA by default; masked
 blocks through blocks.py's math). The next step's exchange runs while a step computes. The
 backward pass goes round the ring again: keys and values travel as before, and the gradients
@@ -26,6 +27,7 @@ import torch
 
 from megadyn.core.context_parallel.blocks import merge_into
 from megadyn.core.context_parallel.comm import RingExchange
+from megadyn.core.context_parallel.dropout import block_dropout
 from megadyn.core.context_parallel.kernels import block_kernels
 from megadyn.core.context_parallel.sequence import split_sequence
 
@@ -58,9 +60,10 @@ def _step_block(ring: RingExchange, step: int, half: int, document_ids):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, document_ids, kernel):
+    def forward(ctx, q, k, v, group, scale, document_ids, kernel, dropout):
         ring = RingExchange(group)
-        block_forward, _ = block_kernels(q, kernel, masked=document_ids is not None)
+        masked = document_ids is not None or dropout is not None
+        block_forward, _ = block_kernels(q, kernel, masked=masked)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         out = lse = None
@@ -70,9 +73,9 @@ class _RingAttention(torch.autograd.Function):
             block = _step_block(ring, step, half, document_ids)
             if block is not None:
                 rows, cols, causal, visible = block
-                block_out, block_lse = block_forward(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, visible
-                )
+                qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                drop = _block_dropout(dropout, ring, step, qb, kb)
+                block_out, block_lse = block_forward(qb, kb, vb, causal, scale, visible, drop)
                 if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
                     out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
                 else:
@@ -83,13 +86,14 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.document_ids, ctx.kernel = group, scale, document_ids, kernel
+        ctx.dropout, ctx.masked = dropout, masked
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = RingExchange(ctx.group)
-        _, block_backward = block_kernels(q, ctx.kernel, masked=ctx.document_ids is not None)
+        _, block_backward = block_kernels(q, ctx.kernel, masked=ctx.masked)
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
@@ -100,16 +104,19 @@ class _RingAttention(torch.autograd.Function):
             block = _step_block(ring, step, half, ctx.document_ids)
             if block is not None:
                 rows, cols, causal, visible = block
+                qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                drop = _block_dropout(ctx.dropout, ring, step, qb, kb)
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, :, rows],
-                    q[:, :, rows],
-                    kv[0][:, :, cols],
-                    kv[1][:, :, cols],
+                    qb,
+                    kb,
+                    vb,
                     out[:, :, rows],
                     lse[:, :, rows],
                     causal,
                     ctx.scale,
                     visible,
+                    drop,
                 )
                 dq[:, :, rows] += dq_b
             if dkv_pending is None:  # step 0: the gradients of this rank's own keys start
@@ -124,15 +131,33 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait(pending)
                 kv = incoming
         ring.wait(dkv_pending)  # after cp shifts: the gradients of this rank's keys and values
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+
+
+def _block_dropout(dropout, ring: RingExchange, step: int, q, k):
+    """The dropout scale of ring step `step`'s block of queries q and keys k (None: none)."""
+    if dropout is None:
+        return None
+    p, seed = dropout
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])  # [b, n, sq, sk]
+    return block_dropout(seed, p, ring.rank, step, shape, q.device)
 
 
 def ring_attention(
-    q, k, v, group, scale: float | None = None, document_ids=None, kernel: str | None = None
+    q,
+    k,
+    v,
+    group,
+    scale: float | None = None,
+    document_ids=None,
+    kernel: str | None = None,
+    dropout: tuple[float, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
     keys and values k, v [b, g, s, d] are spread over `group` (the cp group); within
-    documents when `document_ids` [b, S] (the whole sequence's) is given. Each block runs
-    through kernels.py's `kernel` ("flash", "cudnn", "math"; None: flash where it runs)."""
+    documents when `document_ids` [b, S] (the whole sequence's) is given, with attention
+    dropout when `dropout` is (p, seed) (dropout.py). Each block runs through kernels.py's
+    `kernel` ("flash", "cudnn", "math"; None: flash where it runs; math for masked blocks)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale, document_ids, kernel)
+    return _RingAttention.apply(q, k, v, group, scale, document_ids, kernel, dropout)
