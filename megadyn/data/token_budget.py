@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megadyn.data.sampler import GlobalSampleOrder
+from megadyn.data.sampler import DataCursor, GlobalSampleOrder
 
 
 def step_share(consumed_samples: int, dp_rank: int, dp_size: int, global_batch: int) -> range:
@@ -97,7 +97,7 @@ class StepBatches:
     """The global sample indices they hold."""
 
 
-class TokenBudgetLoader:
+class TokenBudgetLoader(DataCursor):
     """This DP rank's micro batches step by step, cut by a token budget (module docstring)."""
 
     def __init__(
@@ -117,17 +117,6 @@ class TokenBudgetLoader:
         self.order = GlobalSampleOrder(len(dataset), seed)
         self.transform = transform
         self.consumed_samples = consumed_samples
-
-    @property
-    def consumed_samples(self) -> int:
-        """The global data cursor: samples consumed by all DP ranks together."""
-        return self._consumed
-
-    @consumed_samples.setter
-    def consumed_samples(self, value: int) -> None:
-        if value < 0:
-            raise ValueError("consumed_samples must be >= 0")
-        self._consumed = int(value)
 
     def step_at(self, consumed_samples: int, global_batch_size: int) -> StepBatches:
         """This rank's micro batches of the step at `consumed_samples` (no state change)."""
