@@ -74,6 +74,7 @@ class Trainer:
         self.updating = False  # inside the optimizer's update (recovery.py reads it)
         self.step_done = None  # CUDA: an event recorded after the last step's work
         self.step_seconds: float | None = None  # measured at the last log line
+        self.window_tokens = 0  # real tokens since the last log line (--micro-batch-tokens)
         self.draws: list[
             tuple[int, int, int, int]
         ] = []  # (cursor, dp rank, dp size, micro batches; global batch under token budgets)
@@ -314,6 +315,7 @@ class Trainer:
             gbs = self.microbatches.global_batch_size(consumed)
             step = draw_token_step(self.train_loader, gbs, g, self.device)
             batches, n, loss_fn = iter(step.batches), step.num_microbatches, step.loss_fn
+            self.window_tokens += step.total_tokens
         else:
             n = self.microbatches.num_micro_batches(consumed, g.dp_size)
         if g.tp_rank == g.cp_rank == g.pp_rank == 0:  # one small record per step, expanded later
