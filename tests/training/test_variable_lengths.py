@@ -109,3 +109,18 @@ def test_what_cannot_run_is_refused_by_name(extra, message):
     argv = flags("d") + shlex.split(f"--pipeline-model-parallel-size 2 {extra}")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(argv, world_size=2)
+    cp = flags("d") + shlex.split("--context-parallel-size 2 --micro-batch-tokens 64")
+    with pytest.raises(ConfigError, match="--context-parallel-size > 1 does not run with --s"):
+        parse_args(cp, world_size=2)
+
+
+def test_the_layout_planner_keeps_one_stage_and_no_cp():
+    from megadyn.core.layout import Layout, LayoutError
+    from megadyn.elastic.requests import check_layout, plan_layout
+
+    cfg = parse_args(flags("d") + ["--micro-batch-tokens", "64"], world_size=1)
+    for members in (2, 4, 8):  # without --sample-per-document: pp 2, pp 4, tp 2 x pp 4
+        layout = plan_layout(cfg.model, cfg, members, device_type="cpu", gpu_memory_gib=80)
+        assert layout.pp == layout.cp == 1, layout
+    with pytest.raises(LayoutError, match="--sample-per-document"):
+        check_layout(Layout(pp=2), cfg.model, cfg)
