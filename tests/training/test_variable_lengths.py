@@ -1,7 +1,8 @@
 """--sample-per-document with --micro-batch-tokens: the loss is the mean over the global
 batch's real tokens, so token budgets that group the same samples differently, and dp 2 against
-dp 1, give the same losses and gradients; pretrain_gpt.py trains with them end to end; what
-cannot run with them yet is refused by name."""
+dp 1, give the same losses and gradients; pretrain_gpt.py trains with them end to end and a
+resume at dp 1 goes on with the next samples; what cannot run with them yet is refused by
+name."""
 
 import json
 import math
@@ -87,14 +88,20 @@ def test_token_budgets_and_dp_give_the_same_losses_and_gradients(corpus):
             assert np.abs(grad - reference_grads[name]).max() <= 1e-5 * scale, name
 
 
-def test_pretrain_gpt_trains_with_variable_lengths(corpus):
+def test_pretrain_gpt_trains_with_variable_lengths_and_resumes_under_another_dp(corpus, tmp_path):
+    save = str(tmp_path / "ckpt")
     argv = flags(corpus)[:-2] + shlex.split(
-        "--train-iters 16 --micro-batch-tokens 32 --eval-interval 8 --eval-iters 1"
+        "--train-iters 16 --micro-batch-tokens 32 --eval-interval 8 --eval-iters 1 "
+        f"--save {save} --save-interval 8"
     )
     results = spawn(run_pretrain, world=2, args=(argv,))
     losses = next(r for r in reversed(results) if r)
     assert len(losses) == 16 and all(math.isfinite(x) for x in losses), losses
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
+    # from the checkpoint of iteration 8 at dp 1 and another budget: the same next samples
+    resumed_argv = argv + ["--load", save, "--ckpt-step", "8", "--micro-batch-tokens", "48"]
+    resumed = spawn(run_pretrain, world=1, args=(resumed_argv,))[0]
+    np.testing.assert_allclose(resumed, losses[8:], rtol=1e-5)
 
 
 @pytest.mark.parametrize(
