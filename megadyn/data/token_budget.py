@@ -72,16 +72,12 @@ def pad_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     zeros (loss_mask 0 there; position ids go on counting, as a longer sample's would)."""
     longest = max(len(s["tokens"]) for s in samples)
     out = {}
-    for key in samples[0]:
-        rows = []
-        for s in samples:
-            value = s[key]
-            pad = longest - len(value)
-            if key == "position_ids":
-                rows.append(torch.arange(longest, dtype=value.dtype))
-            else:
-                rows.append(torch.cat([value, value.new_zeros(pad)]))
-        out[key] = torch.stack(rows)
+    for key, first in samples[0].items():
+        if key == "position_ids":
+            out[key] = torch.arange(longest, dtype=first.dtype).repeat(len(samples), 1)
+            continue
+        rows = [torch.cat([s[key], s[key].new_zeros(longest - len(s[key]))]) for s in samples]
+        out[key] = torch.stack(rows)  # [b, longest]
     return out
 
 
