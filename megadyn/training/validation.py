@@ -137,7 +137,12 @@ def check_variable_lengths(cfg: MegadynConfig, layout: Layout) -> None:
             f"--micro-batch-tokens ({budget}) must be at least --seq-length "
             f"({cfg.data.seq_length}), the longest sample"
         )
+    try:
+        blend = cfg.data.data_path is not None and len(parse_data_path(cfg.data.data_path)[0]) > 1
+    except ValueError:  # a malformed --data-path: _validate_data names it
+        blend = False
     unsupported = {
+        "a blend of --data-path prefixes": blend,
         "--pipeline-model-parallel-size > 1": layout.pp > 1,
         "--context-parallel-size > 1": layout.cp > 1,
         "--enable-cuda-graph": cfg.training.enable_cuda_graph,

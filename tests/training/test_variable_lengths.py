@@ -116,6 +116,9 @@ def test_what_cannot_run_is_refused_by_name(extra, message):
     argv = flags("d") + shlex.split(f"--pipeline-model-parallel-size 2 {extra}")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(argv, world_size=2)
+    blend = flags("d") + shlex.split("--data-path 1 a 1 b --micro-batch-tokens 64")
+    with pytest.raises(ConfigError, match="does not run with a blend of --data-path"):
+        parse_args(blend, world_size=1)
     cp = flags("d") + shlex.split("--context-parallel-size 2 --micro-batch-tokens 64")
     with pytest.raises(ConfigError, match="--context-parallel-size > 1 does not run with --s"):
         parse_args(cp, world_size=2)
