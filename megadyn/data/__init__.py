@@ -6,6 +6,7 @@ This package imports nothing else from megadyn; the trainer hands it dp_rank / d
 
 from megadyn.data.blended_dataset import BlendedDataset, parse_data_path
 from megadyn.data.default_corpus import prepare_default_data
+from megadyn.data.document_dataset import DocumentDataset
 from megadyn.data.documents import DocumentMasking
 from megadyn.data.gpt_dataset import GPTDataset, build_gpt_datasets, parse_split
 from megadyn.data.indexed_dataset import (
@@ -18,11 +19,13 @@ from megadyn.data.loader import MicroBatchLoader, collate
 from megadyn.data.mock_dataset import MockGPTDataset
 from megadyn.data.preprocess import PreprocessError, preprocess_data
 from megadyn.data.sampler import GlobalSampleOrder, micro_batch_indices
+from megadyn.data.token_budget import StepBatches, TokenBudgetLoader, step_share
 from megadyn.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = [
     "TOKENIZER_TYPES",
     "BlendedDataset",
+    "DocumentDataset",
     "DocumentMasking",
     "GPTDataset",
     "GlobalSampleOrder",
@@ -32,6 +35,8 @@ __all__ = [
     "MicroBatchLoader",
     "MockGPTDataset",
     "PreprocessError",
+    "StepBatches",
+    "TokenBudgetLoader",
     "build_gpt_datasets",
     "build_tokenizer",
     "collate",
@@ -41,4 +46,5 @@ __all__ = [
     "parse_split",
     "prepare_default_data",
     "preprocess_data",
+    "step_share",
 ]

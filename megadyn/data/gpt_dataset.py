@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from megadyn.data.blended_dataset import BlendedDataset, parse_data_path
+from megadyn.data.document_dataset import DocumentDataset
 from megadyn.data.gpt_indices import INDEX_NAMES, build_gpt_indices, load_or_build
 from megadyn.data.indexed_dataset import IndexedDataset, IndexedDatasetError, bin_path, idx_path
 from megadyn.data.mock_dataset import MockGPTDataset, sample_from_window
@@ -178,6 +179,7 @@ def build_gpt_datasets(
     tokenizer_eod: int,
     mock: bool = False,
     vocab_size: int | None = None,
+    sample_per_document: bool = False,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """(train, valid, test) datasets; a split with no documents or no samples asked is None.
 
@@ -185,6 +187,8 @@ def build_gpt_datasets(
     weights), or several prefixes (blended in proportion to their tokens). With `mock` (or no
     data path) the datasets are `MockGPTDataset`s over `vocab_size` with seeds seed, seed + 1,
     seed + 2. `cache_dir=None` caches indices next to the data, as Megatron does.
+    `sample_per_document`: each split is a `DocumentDataset` (one document per sample, one
+    epoch long; --sample-per-document), from a single prefix.
     """
     if mock or not data_path:
         if vocab_size is None:
@@ -198,6 +202,16 @@ def build_gpt_datasets(
     prefixes, weights = parse_data_path(data_path)
     split_weights = parse_split(split)
     indexed = [open_training_data(p) for p in prefixes]
+    if sample_per_document:
+        if len(prefixes) > 1:
+            raise ValueError("--sample-per-document reads one --data-path prefix, not a blend")
+        ranges = split_ranges(split_weights, len(indexed[0]))
+        return tuple(
+            DocumentDataset(indexed[0], np.arange(b, e), seq_length, seed, tokenizer_eod)
+            if e > b and n > 0
+            else None
+            for (b, e), n in zip(ranges, num_samples)
+        )
     if len(prefixes) == 1:
         return tuple(
             _split_datasets(

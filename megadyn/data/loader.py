@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megadyn.data.sampler import GlobalSampleOrder, micro_batch_indices
+from megadyn.data.sampler import DataCursor, GlobalSampleOrder, micro_batch_indices
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -30,7 +30,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
-class MicroBatchLoader:
+class MicroBatchLoader(DataCursor):
     """An endless iterator of this DP rank's collated micro batches.
 
     Past the end of the dataset it goes on into the next epoch (see `GlobalSampleOrder`).
@@ -63,16 +63,7 @@ class MicroBatchLoader:
         """Global samples consumed per micro batch (micro_batch_size * dp_size)."""
         return self.micro_batch_size * self.dp_size
 
-    @property
-    def consumed_samples(self) -> int:
-        """The global data cursor: samples consumed by all DP ranks together."""
-        return self._consumed
-
-    @consumed_samples.setter
-    def consumed_samples(self, value: int) -> None:
-        if value < 0:
-            raise ValueError("consumed_samples must be >= 0")
-        self._consumed = int(value)
+    def _cursor_moved(self) -> None:
         self._drop_prefetched()
 
     def batch_at(self, consumed_samples: int) -> dict[str, torch.Tensor]:

@@ -38,6 +38,27 @@ def samples_per_micro_step(micro_batch_size: int, dp_size: int) -> int:
     return micro_batch_size * dp_size
 
 
+class DataCursor:
+    """The `consumed_samples` cursor a loader keeps; setting it calls `_cursor_moved`."""
+
+    _consumed: int = 0
+
+    @property
+    def consumed_samples(self) -> int:
+        """The global data cursor: samples consumed by all DP ranks together."""
+        return self._consumed
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        if value < 0:
+            raise ValueError("consumed_samples must be >= 0")
+        self._consumed = int(value)
+        self._cursor_moved()
+
+    def _cursor_moved(self) -> None:
+        """What a loader drops when its cursor is set (prefetched batches, say)."""
+
+
 @lru_cache(maxsize=2)
 def _epoch_permutation(length: int, seed: int, epoch: int) -> np.ndarray:
     rng = np.random.Generator(np.random.PCG64([seed, epoch, length]))

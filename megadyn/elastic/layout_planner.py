@@ -174,6 +174,7 @@ class LayoutPlanner:
         micro_batch_sizes: tuple[int, ...] = (1, 2, 4),
         recomputes: tuple[RecomputeConfig, ...] | None = None,
         cp_sizes: tuple[int, ...] = (1, 2, 4, 8),
+        pp_sizes: tuple[int, ...] | None = None,
     ):
         self.cfg, self.gbs, self.seq = cfg, global_batch_size, seq_length
         self.gpu_memory_gib, self.distopt = gpu_memory_gib, distributed_optimizer
@@ -181,13 +182,16 @@ class LayoutPlanner:
         self.micro_batch_sizes, self.recomputes = micro_batch_sizes, recomputes
         self.cp_sizes = cp_sizes
         """Context-parallel degrees to consider ((1,) where the job's features exclude cp)."""
+        self.pp_sizes = pp_sizes
+        """Pipeline degrees to consider (None: every divisor; (1,) for variable shapes)."""
 
     def _degrees(self, num_members: int):
         """(tp, cp, pp, dp) that fill `num_members` ranks."""
         for tp in (t for t in (1, 2, 4, 8) if num_members % t == 0):
             for cp in (c for c in self.cp_sizes if (num_members // tp) % c == 0):
                 rest = num_members // (tp * cp)
-                for pp in (p for p in range(1, rest + 1) if rest % p == 0):
+                pps = self.pp_sizes or range(1, rest + 1)
+                for pp in (p for p in pps if rest % p == 0):
                     yield tp, cp, pp, rest // pp
 
     def _layouts(self, num_members: int):

@@ -127,6 +127,7 @@ def plan_layout(
             micro_batch_sizes=(t.micro_batch_size,),
             recomputes=(t.recompute,),
             cp_sizes=(1,) if context_parallel_conflicts(cfg) else (1, 2, 4, 8),
+            pp_sizes=(1,) if cfg.data.sample_per_document else None,  # one shape per stage
         )
         .choose(num_members)
         .layout
@@ -161,6 +162,7 @@ def context_parallel_conflicts(cfg) -> list[str]:
     unsupported = {
         "--enable-cuda-graph": cfg.training.enable_cuda_graph,
         "--tp-comm-overlap": cfg.model.tp_comm_overlap,
+        "--sample-per-document": cfg.data.sample_per_document,
     }
     return [flag for flag, used in unsupported.items() if used]
 
@@ -169,6 +171,8 @@ def check_layout(layout: Layout, model_cfg, cfg) -> None:
     """Every reason a layout cannot run this job, as a LayoutError naming it."""
     t = cfg.training
     validate_for(layout, model_cfg, cfg)
+    if cfg.data.sample_per_document and layout.pp > 1:
+        raise LayoutError("--sample-per-document does not run with pipeline parallelism yet")
     padded = model_cfg.padded_vocab_size(layout.tp)
     start, end = vocab_range(model_cfg.vocab_size, padded, layout.tp - 1, layout.tp)
     if end <= start:

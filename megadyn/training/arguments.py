@@ -173,6 +173,7 @@ def _add_elastic_args(p: argparse.ArgumentParser) -> None:
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     t = _Group(p, "training", "training", TrainingConfig)
     t("--micro-batch-size", type=int, default=None)
+    t("--micro-batch-tokens", type=int)
     t("--global-batch-size", type=int, default=None)
     t("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
     t("--train-iters", type=int, default=None)
@@ -240,6 +241,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     d("--data-cache-path")
     d("--reset-attention-mask", action="store_true")
     d("--eod-mask-loss", action="store_true")
+    d("--sample-per-document", action="store_true")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -309,11 +311,16 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
         ("--hidden-size", "model.hidden_size"),
         ("--num-attention-heads", "model.num_attention_heads"),
         ("--seq-length", "data.seq_length"),
-        ("--micro-batch-size", "training.micro_batch_size"),
         ("--lr", "optimizer.lr"),
     ):
         if values[key] is None:
             raise ConfigError(f"{flag} is required")
+    if values["training.micro_batch_tokens"] is not None:  # it replaces --micro-batch-size
+        if values["training.micro_batch_size"] not in (None, 1):
+            raise ConfigError("--micro-batch-size: drop it under --micro-batch-tokens")
+        values["training.micro_batch_size"] = 1
+    if values["training.micro_batch_size"] is None:
+        raise ConfigError("--micro-batch-size is required (or --micro-batch-tokens)")
     parallel = ParallelConfig(**_section(values, "parallel"))
     elastic = ElasticConfig(**_section(values, "elastic"))
     try:

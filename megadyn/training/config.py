@@ -182,6 +182,10 @@ class ElasticConfig:
 class TrainingConfig:
     micro_batch_size: int = 1
     """Samples per micro batch on one data-parallel rank (--micro-batch-size)."""
+    micro_batch_tokens: int | None = None
+    """Micro batches of whole variable-length samples holding at most this many tokens,
+    padding included, instead of --micro-batch-size samples; needs --sample-per-document
+    (--micro-batch-tokens, megadyn's flag)."""
     global_batch_size: int = 1
     """Samples per optimizer step over all data-parallel ranks; stays fixed when dp changes
     (--global-batch-size)."""
@@ -280,6 +284,10 @@ class DataConfig:
     """Attention stays within each document of a packed sample: a token sees the earlier
     tokens up to and including its document's end-of-document token only
     (--reset-attention-mask)."""
+    sample_per_document: bool = False
+    """A sample is one document cut at --seq-length + 1 tokens, not a packed fixed-length
+    window; its micro batches are cut by --micro-batch-tokens (--sample-per-document,
+    megadyn's flag)."""
     eod_mask_loss: bool = False
     """No loss at positions whose input token is the end-of-document token, i.e. on the
     prediction of the next document's first token; the loss is the mean over the other

@@ -1,5 +1,8 @@
 """From DataConfig to a tokenizer, datasets and this data-parallel rank's loaders.
 
+Under --sample-per-document the datasets hold one document per sample and the loader is a
+`TokenBudgetLoader` (micro batches by --micro-batch-tokens, whole steps at a time).
+
 The loaders are cheap to rebuild: a reconfiguration that changes dp builds new ones at the same
 data cursor (`consumed_samples`, counted over all ranks), so no sample is lost or repeated.
 """
@@ -10,7 +13,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megadyn.data import DocumentMasking, MicroBatchLoader, build_gpt_datasets, build_tokenizer
+from megadyn.data import (
+    DocumentMasking,
+    MicroBatchLoader,
+    TokenBudgetLoader,
+    build_gpt_datasets,
+    build_tokenizer,
+)
 from megadyn.training.config import MegadynConfig
 
 
@@ -51,6 +60,7 @@ def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
             tokenizer.eod,
             mock=d.mock_data,
             vocab_size=tokenizer.vocab_size,
+            sample_per_document=d.sample_per_document,
         )
 
     if group is None:  # no collective: caches exist already (a process joining a running job)
@@ -76,7 +86,17 @@ def build_loader(
     dp_size: int,
     consumed: int,
     documents: DocumentMasking | None = None,
-) -> MicroBatchLoader:
+) -> MicroBatchLoader | TokenBudgetLoader:
+    if cfg.training.micro_batch_tokens is not None:
+        return TokenBudgetLoader(
+            dataset,
+            cfg.training.micro_batch_tokens,
+            dp_rank,
+            dp_size,
+            consumed_samples=consumed,
+            seed=cfg.training.seed,
+            transform=documents,
+        )
     return MicroBatchLoader(
         dataset,
         cfg.training.micro_batch_size,

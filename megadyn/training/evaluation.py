@@ -12,6 +12,7 @@ import torch
 
 from megadyn.core.pipeline import forward_backward
 from megadyn.training.data_setup import build_loader
+from megadyn.training.token_steps import draw_token_step
 
 
 @torch.no_grad()
@@ -36,15 +37,22 @@ def evaluate(trainer) -> float | None:
         c.eval()
     losses = []
     for _ in range(t.eval_iters):
-        losses += forward_backward(
+        batches, loss_fn = loader, trainer.loss_fn
+        if trainer.token_budget:  # each round has its own micro-batch count
+            step = draw_token_step(loader, gbs, trainer.groups, trainer.device)
+            batches, n, loss_fn = iter(step.batches), step.num_microbatches, step.loss_fn
+        round_losses = forward_backward(
             trainer.ddp,
             trainer.groups,
-            loader,
+            batches,
             n,
             config=trainer.pipeline_cfg,
-            loss_fn=trainer.loss_fn,
+            loss_fn=loss_fn,
             forward_only=True,
         )
+        if trainer.token_budget and round_losses:  # a round weighs as one micro batch would
+            round_losses = [torch.stack(round_losses).mean()]
+        losses += round_losses
     for c in trainer.chunks:
         c.train()
     loss = trainer._mean_loss(losses)

@@ -26,14 +26,16 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
     values = [w.item() for _, w in window]
     trainer.step_seconds = seconds / iters
     trainer.loss_by_iteration.update((i, v) for (i, _), v in zip(window, values))
+    real_tokens, trainer.window_tokens = trainer.window_tokens, 0
     if not trainer.logs:
         return values
     cfg, s = trainer.cfg, trainer.state
     gbs = trainer.microbatches.global_batch_size(s.consumed_samples)
     world = trainer.groups.layout.world_size
-    flops = model_flops_per_iteration(
-        trainer.model_cfg, gbs, cfg.data.seq_length, trainer.groups.tp_size
-    )
+    seq_length = cfg.data.seq_length
+    if trainer.token_budget:  # the mean real (unpadded) sample length of the window
+        seq_length = real_tokens / max(gbs * iters, 1)
+    flops = model_flops_per_iteration(trainer.model_cfg, gbs, seq_length, trainer.groups.tp_size)
     tflops = flops * iters / seconds / world / 1e12
     peak = (
         torch.cuda.max_memory_allocated(trainer.device) / 2**30
@@ -53,7 +55,7 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
         skipped_iterations=s.skipped_iterations,
         nan_iterations=s.nan_iterations,
         tflops_per_gpu=tflops,
-        tokens_per_sec=gbs * cfg.data.seq_length * iters / seconds,
+        tokens_per_sec=gbs * seq_length * iters / seconds,
         mfu=mfu(tflops),
         peak_mem_gib=peak,
     )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.data.sampler import micro_batch_indices
+from megadyn.data.token_budget import step_share
 from megadyn.models import lm_loss_for
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import dump_args
@@ -41,6 +42,8 @@ from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.state import TrainingState, TrainState
 from megadyn.training.tensors import adopt_tensors, export_tensors
+from megadyn.training.token_steps import draw_token_step
+from megadyn.training.validation import check_variable_lengths
 from megadyn.training.wandb_logger import create_wandb_logger
 
 
@@ -71,9 +74,10 @@ class Trainer:
         self.updating = False  # inside the optimizer's update (recovery.py reads it)
         self.step_done = None  # CUDA: an event recorded after the last step's work
         self.step_seconds: float | None = None  # measured at the last log line
+        self.window_tokens = 0  # real tokens since the last log line (--micro-batch-tokens)
         self.draws: list[
             tuple[int, int, int, int]
-        ] = []  # (cursor, dp rank, dp size, micro batches)
+        ] = []  # (cursor, dp rank, dp size, micro batches; global batch under token budgets)
         self.wandb = create_wandb_logger(
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
@@ -89,6 +93,7 @@ class Trainer:
         for hook in self.hooks:  # e.g. host buffers of the old layout's snapshots go
             hook.new_layout(self)
         self.microbatches.check_dp_size(groups.dp_size)
+        check_variable_lengths(cfg, groups.layout)  # a planner's layout too
         parts = build_model_parts(
             cfg, self.model_cfg, groups, self.device, init_weights=init_weights
         )
@@ -221,6 +226,8 @@ class Trainer:
         """Global sample indices this rank's data-parallel replica read (tp 0, cp 0, first
         stage)."""
         mbs = self.cfg.training.micro_batch_size
+        if self.token_budget:  # the draw records the global batch
+            return [i for c, r, dp, gbs in self.draws for i in step_share(c, r, dp, gbs)]
         return [
             i
             for consumed, dp_rank, dp_size, n in self.draws
@@ -278,16 +285,21 @@ class Trainer:
         for d in self.ddp:
             d.zero_grad_buffer()
 
-    def gradients(self, batches, n: int) -> list[torch.Tensor]:
+    @property
+    def token_budget(self) -> bool:
+        """Micro batches are cut by --micro-batch-tokens (token_steps.py)."""
+        return self.cfg.training.micro_batch_tokens is not None
+
+    def gradients(self, batches, n: int, loss_fn=None) -> list[torch.Tensor]:
         """Forward and backward of `n` micro batches from `batches`, then the reductions that
-        make the gradients final; the micro batches' losses."""
+        make the gradients final; the micro batches' losses (`loss_fn`: the layout's)."""
         losses = forward_backward(
             self.ddp,
             self.groups,
             batches,
             n,
             config=self.pipeline_cfg,
-            loss_fn=self.loss_fn,
+            loss_fn=loss_fn or self.loss_fn,
             no_sync=self._no_sync,
             cuda_graph=self.cuda_graph,
             loss_scale=self.optimizer.loss_scale,
@@ -298,11 +310,18 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
         consumed = self.state.consumed_samples
         g = self.groups
-        n = self.microbatches.num_micro_batches(consumed, g.dp_size)
+        batches, loss_fn = self.train_loader, None
+        if self.token_budget:
+            gbs = self.microbatches.global_batch_size(consumed)
+            step = draw_token_step(self.train_loader, gbs, g, self.device)
+            batches, n, loss_fn = iter(step.batches), step.num_microbatches, step.loss_fn
+            self.window_tokens += step.total_tokens
+        else:
+            n = self.microbatches.num_micro_batches(consumed, g.dp_size)
         if g.tp_rank == g.cp_rank == g.pp_rank == 0:  # one small record per step, expanded later
-            self.draws.append((consumed, g.dp_rank, g.dp_size, n))
+            self.draws.append((consumed, g.dp_rank, g.dp_size, gbs if self.token_budget else n))
         self.zero_grads()
-        losses = self.gradients(self.train_loader, n)
+        losses = self.gradients(batches, n, loss_fn)
         self.updating = True  # until the step is counted: the tensors are between two steps
         applied, grad_norm, _ = self.optimizer.step()
         if applied:

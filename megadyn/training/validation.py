@@ -27,6 +27,7 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
     layout = _validate_layout(cfg, world_size)
     _validate_context_parallel(cfg, layout)
     _validate_document_masking(cfg)
+    check_variable_lengths(cfg, layout)
     _validate_recompute(cfg, layout)
     _validate_kernels(cfg, layout)
     check_schedule(cfg.scheduler, cfg.optimizer, cfg.training.train_iters)
@@ -118,6 +119,39 @@ def _validate_document_masking(cfg: MegadynConfig) -> None:
         if used:
             raise ConfigError(
                 f"--reset-attention-mask does not run with {other} yet: drop one of them"
+            )
+
+
+def check_variable_lengths(cfg: MegadynConfig, layout: Layout) -> None:
+    """--sample-per-document and --micro-batch-tokens go together, and not (yet) with what
+    needs one sample shape for every micro batch; the trainer checks each new layout too."""
+    per_doc, budget = cfg.data.sample_per_document, cfg.training.micro_batch_tokens
+    if per_doc != (budget is not None):
+        raise ConfigError(
+            "--sample-per-document and --micro-batch-tokens go together: give both or neither"
+        )
+    if not per_doc:
+        return
+    if budget < cfg.data.seq_length:
+        raise ConfigError(
+            f"--micro-batch-tokens ({budget}) must be at least --seq-length "
+            f"({cfg.data.seq_length}), the longest sample"
+        )
+    try:
+        blend = cfg.data.data_path is not None and len(parse_data_path(cfg.data.data_path)[0]) > 1
+    except ValueError:  # a malformed --data-path: _validate_data names it
+        blend = False
+    unsupported = {
+        "a blend of --data-path prefixes": blend,
+        "--pipeline-model-parallel-size > 1": layout.pp > 1,
+        "--context-parallel-size > 1": layout.cp > 1,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+        "--mock-data": cfg.data.mock_data,
+    }
+    for other, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"--sample-per-document does not run with {other} yet: drop one of them"
             )
 
 

@@ -1,0 +1,141 @@
+"""Micro batches by token budget (--micro-batch-tokens): the variable-length loader.
+
+The global batch stays a fixed number of samples (--global-batch-size), and the data cursor a
+global sample count, so the exactly-once guarantee of sampler.py holds as with fixed micro
+batches. Within a step that starts at cursor c with global batch G, data-parallel rank r reads
+the G / dp consecutive global samples
+
+    c + r * G / dp  ...  c + (r + 1) * G / dp - 1          (`step_share`)
+
+and cuts them into micro batches of whole samples: sorted by length (longest first, ties in
+cursor order) and filled greedily while (samples x longest sample) <= the token budget. Each
+micro batch is padded to its own longest sample; padding has loss_mask 0 and sits after the real
+tokens, so causal attention never lets a real token see it. A micro batch is a pure function of
+(cursor, dp rank, dp size, G, budget, seed).
+
+    loader = TokenBudgetLoader(ds, micro_batch_tokens=4096, dp_rank=r, dp_size=2,
+                               consumed_samples=0)
+    step = loader.next_step(global_batch_size=64)  # this rank's micro batches of the step
+    step.batches     # [{"tokens": int64 [b_i, s_i], ...}, ...]   b_i * s_i <= 4096
+    step.tokens      # loss tokens (sum of loss_mask) of this rank's share
+    loader.consumed_samples                        # advanced by 64
+
+The loss of a step is the mean over the loss tokens of the whole global batch, so it does not
+depend on how the samples are grouped (the trainer all-reduces `step.tokens` over dp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megadyn.data.sampler import DataCursor, GlobalSampleOrder
+
+
+def step_share(consumed_samples: int, dp_rank: int, dp_size: int, global_batch: int) -> range:
+    """Global sample indices DP rank `dp_rank` reads in the step starting at the cursor."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    if global_batch % dp_size:
+        raise ValueError(
+            f"--global-batch-size ({global_batch}) is not divisible by the data-parallel "
+            f"size ({dp_size})"
+        )
+    per_rank = global_batch // dp_size
+    start = consumed_samples + dp_rank * per_rank
+    return range(start, start + per_rank)
+
+
+def group_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions into `lengths` grouped so that (count x longest) <= budget in every group:
+    longest first, each group filled greedily. A length above the budget is an error."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if lengths[i] > budget:
+            raise ValueError(
+                f"--micro-batch-tokens ({budget}) is below a sample of {lengths[i]} tokens: "
+                "make it at least --seq-length"
+            )
+        # longest first: the group's longest sample is its first one
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def pad_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack samples of different lengths into [b, longest] tensors, padded at the end with
+    zeros (loss_mask 0 there; position ids go on counting, as a longer sample's would)."""
+    longest = max(len(s["tokens"]) for s in samples)
+    out = {}
+    for key, first in samples[0].items():
+        if key == "position_ids":
+            out[key] = torch.arange(longest, dtype=first.dtype).repeat(len(samples), 1)
+            continue
+        rows = [torch.cat([s[key], s[key].new_zeros(longest - len(s[key]))]) for s in samples]
+        out[key] = torch.stack(rows)  # [b, longest]
+    return out
+
+
+@dataclass
+class StepBatches:
+    """One rank's micro batches of one step."""
+
+    batches: list[dict[str, torch.Tensor]]
+    """Collated micro batches, in the order they run."""
+    tokens: int
+    """Loss tokens (sum of loss_mask) over `batches`."""
+    samples: range
+    """The global sample indices they hold."""
+
+
+class TokenBudgetLoader(DataCursor):
+    """This DP rank's micro batches step by step, cut by a token budget (module docstring)."""
+
+    def __init__(
+        self,
+        dataset: torch.utils.data.Dataset,
+        micro_batch_tokens: int,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int = 0,
+        seed: int = 0,
+        transform: Callable[[dict], dict] | None = None,
+    ) -> None:
+        if micro_batch_tokens < 1:
+            raise ValueError(f"--micro-batch-tokens must be >= 1, got {micro_batch_tokens}")
+        self.dataset, self.budget = dataset, micro_batch_tokens
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.order = GlobalSampleOrder(len(dataset), seed)
+        self.transform = transform
+        self.consumed_samples = consumed_samples
+
+    def step_at(self, consumed_samples: int, global_batch_size: int) -> StepBatches:
+        """This rank's micro batches of the step at `consumed_samples` (no state change)."""
+        share = step_share(consumed_samples, self.dp_rank, self.dp_size, global_batch_size)
+        samples = [self.dataset[self.order(g)] for g in share]
+        groups = group_by_tokens([len(s["tokens"]) for s in samples], self.budget)
+        batches = []
+        for group in groups:
+            batch = pad_collate([samples[i] for i in group])
+            batches.append(batch if self.transform is None else self.transform(batch))
+        tokens = int(sum(b["loss_mask"].sum().item() for b in batches))
+        return StepBatches(batches, tokens, share)
+
+    def next_step(self, global_batch_size: int) -> StepBatches:
+        """The micro batches of the step at the cursor; the cursor moves past the step."""
+        step = self.step_at(self._consumed, global_batch_size)
+        self._consumed += global_batch_size
+        return step
+
+    def batch_at(self, consumed_samples: int) -> dict[str, torch.Tensor]:
+        """One micro batch of real data at the cursor: this rank's sample of a step of one
+        sample per rank (what a warm-up step runs; no state change)."""
+        return self.step_at(consumed_samples, self.dp_size).batches[0]
+
+    def close(self) -> None:
+        """Nothing runs ahead (kept for the trainer, which closes loaders)."""

@@ -1,0 +1,136 @@
+"""--sample-per-document with --micro-batch-tokens: the loss is the mean over the global
+batch's real tokens, so token budgets that group the same samples differently, and dp 2 against
+dp 1, give the same losses and gradients; pretrain_gpt.py trains with them end to end and a
+resume at dp 1 goes on with the next samples; what cannot run with them yet is refused by
+name."""
+
+import json
+import math
+import os
+import runpy
+import shlex
+import sys
+
+import numpy as np
+import pytest
+from test_training_run import MODEL
+
+from megadyn.testing import run_pretrain, spawn
+from megadyn.training.arguments import parse_args
+from megadyn.training.config import ConfigError
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """200 documents of 2..40 counting tokens (so --seq-length 16 cuts many), preprocessed with
+    tools/preprocess_data.py (NullTokenizer, EOD appended)."""
+    directory = tmp_path_factory.mktemp("varlen")
+    rng = np.random.default_rng(0)
+    with open(directory / "docs.jsonl", "w") as f:
+        for _ in range(200):
+            start, n = int(rng.integers(0, 60)), int(rng.integers(2, 40))
+            text = " ".join(str((start + i) % 60) for i in range(n))
+            f.write(json.dumps({"text": text}) + "\n")
+    argv = ["preprocess_data.py", "--input", str(directory / "docs.jsonl"), "--no-progress"]
+    argv += ["--output-prefix", str(directory / "c"), "--tokenizer-type", "NullTokenizer"]
+    argv += ["--vocab-size", "60", "--append-eod"]
+    saved = sys.argv
+    try:
+        sys.argv = argv
+        runpy.run_path(os.path.join(TOOLS, "preprocess_data.py"), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return str(directory / "c_text_document")
+
+
+def flags(prefix: str) -> list[str]:
+    return MODEL + shlex.split(
+        f"--data-path {prefix} --split 90,10,0 --tokenizer-type NullTokenizer --vocab-size 60 "
+        "--sample-per-document --global-batch-size 8 --lr 1e-2 --clip-grad 0 --seed 7 "
+        "--hidden-dropout 0 --attention-dropout 0 --eval-interval 0 --num-workers 0 "
+        "--log-interval 1 --train-iters 2"
+    )
+
+
+def budget_steps(rank, world, argv, budgets):
+    """Two steps under each token budget: losses, the first step's gradients, its micro
+    batches."""
+    from megadyn.core.groups import ParallelGroups
+    from megadyn.training.trainer import Trainer
+
+    out = []
+    for budget in budgets:
+        cfg = parse_args(argv + ["--micro-batch-tokens", str(budget)], world_size=world)
+        groups = ParallelGroups.build(cfg.layout(world), range(world))
+        trainer = Trainer(cfg, groups, "cpu", print_fn=lambda *a, **k: None)
+        count = len(trainer.train_loader.step_at(0, 8).batches)
+        losses = [trainer.train_step()[0].item()]
+        grads = {n: p.main_grad.numpy().copy() for n, p in trainer.chunks[0].named_parameters()}
+        losses.append(trainer.train_step()[0].item())  # after an update from those gradients
+        groups.destroy()
+        out.append((losses, grads, count))
+    return out
+
+
+def test_token_budgets_and_dp_give_the_same_losses_and_gradients(corpus):
+    argv = flags(corpus)
+    one = spawn(budget_steps, world=1, args=(argv, [16, 40, 1000]))[0]
+    two = spawn(budget_steps, world=2, args=(argv, [24]))
+    counts = [count for _, _, count in one]
+    assert counts[0] > counts[1] > counts[2] == 1, counts  # different groupings of 8 samples
+    reference_losses, reference_grads, _ = one[0]
+    for losses, grads, _ in one[1:] + [two[0][0], two[1][0]]:
+        np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+        for name, grad in grads.items():
+            scale = np.abs(reference_grads[name]).max() + 1e-12
+            assert np.abs(grad - reference_grads[name]).max() <= 1e-5 * scale, name
+
+
+def test_pretrain_gpt_trains_with_variable_lengths_and_resumes_under_another_dp(corpus, tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = flags(corpus)[:-2] + shlex.split(
+        "--train-iters 16 --micro-batch-tokens 32 --eval-interval 8 --eval-iters 1 "
+        f"--save {save} --save-interval 8"
+    )
+    results = spawn(run_pretrain, world=2, args=(argv,))
+    losses = next(r for r in reversed(results) if r)
+    assert len(losses) == 16 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
+    # from the checkpoint of iteration 8 at dp 1 and another budget: the same next samples
+    resumed_argv = argv + ["--load", save, "--ckpt-step", "8", "--micro-batch-tokens", "48"]
+    resumed = spawn(run_pretrain, world=1, args=(resumed_argv,))[0]
+    np.testing.assert_allclose(resumed, losses[8:], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--micro-batch-tokens 64", "--sample-per-document does not run with --pipeline"),
+        ("--micro-batch-tokens 8", "--micro-batch-tokens (8) must be at least --seq-length"),
+        ("--micro-batch-size 1", "--sample-per-document and --micro-batch-tokens go"),
+    ],
+)
+def test_what_cannot_run_is_refused_by_name(extra, message):
+    argv = flags("d") + shlex.split(f"--pipeline-model-parallel-size 2 {extra}")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(argv, world_size=2)
+    blend = flags("d") + shlex.split("--data-path 1 a 1 b --micro-batch-tokens 64")
+    with pytest.raises(ConfigError, match="does not run with a blend of --data-path"):
+        parse_args(blend, world_size=1)
+    cp = flags("d") + shlex.split("--context-parallel-size 2 --micro-batch-tokens 64")
+    with pytest.raises(ConfigError, match="--context-parallel-size > 1 does not run with --s"):
+        parse_args(cp, world_size=2)
+
+
+def test_the_layout_planner_keeps_one_stage_and_no_cp():
+    from megadyn.core.layout import Layout, LayoutError
+    from megadyn.elastic.requests import check_layout, plan_layout
+
+    cfg = parse_args(flags("d") + ["--micro-batch-tokens", "64"], world_size=1)
+    for members in (2, 4, 8):  # without --sample-per-document: pp 2, pp 4, tp 2 x pp 4
+        layout = plan_layout(cfg.model, cfg, members, device_type="cpu", gpu_memory_gib=80)
+        assert layout.pp == layout.cp == 1, layout
+    with pytest.raises(LayoutError, match="--sample-per-document"):
+        check_layout(Layout(pp=2), cfg.model, cfg)
