@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megadyn.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megadyn.core.distributed.finalize_model_grads import finish_grads_within_replica
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
 
@@ -110,13 +110,7 @@ def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> No
     """Make every gradient final for the optimizer step: finish the chunks' own (dp 1)
     reductions, sum sequence-parallel grads over tp, then sum each weight's gradient over the
     ranks holding it in every replica (one coalesced all-reduce per part)."""
-    replica = hetero.replica
-    for chunk in chunks:
-        finish = getattr(chunk, "finish_grad_sync", None)
-        if finish is not None:
-            finish()
-    if replica.layout.sequence_parallel and replica.tp_size > 1:
-        allreduce_sequence_parallel_grads(chunks, replica.tp_group)
+    finish_grads_within_replica(chunks, hetero.replica)
     ranges = hetero.layout.layer_ranges()
     by_part: dict = {}
     for chunk in chunks:
