@@ -123,7 +123,9 @@ class ElasticController:
                 }
             )
             self.channel.decide(it, self._leader_decision(trainer))
-        decision = self.channel.decision(it, interrupt=self.check_failures)
+        # polled only while failures are watched; otherwise a blocking read of the key
+        watching = self.failures is not None
+        decision = self.channel.decision(it, self.check_failures if watching else None)
         if decision == NONE:
             self.drain.fall_back_if_refused()
             return

@@ -87,23 +87,9 @@ def build_loader(
     consumed: int,
     documents: DocumentMasking | None = None,
 ) -> MicroBatchLoader | TokenBudgetLoader:
+    cursor = dict(consumed_samples=consumed, seed=cfg.training.seed, transform=documents)
     if cfg.training.micro_batch_tokens is not None:
-        return TokenBudgetLoader(
-            dataset,
-            cfg.training.micro_batch_tokens,
-            dp_rank,
-            dp_size,
-            consumed_samples=consumed,
-            seed=cfg.training.seed,
-            transform=documents,
-        )
-    return MicroBatchLoader(
-        dataset,
-        cfg.training.micro_batch_size,
-        dp_rank,
-        dp_size,
-        consumed_samples=consumed,
-        num_workers=cfg.data.num_workers,
-        seed=cfg.training.seed,
-        transform=documents,
-    )
+        budget = cfg.training.micro_batch_tokens
+        return TokenBudgetLoader(dataset, budget, dp_rank, dp_size, **cursor)
+    size, workers = cfg.training.micro_batch_size, cfg.data.num_workers
+    return MicroBatchLoader(dataset, size, dp_rank, dp_size, num_workers=workers, **cursor)

@@ -337,7 +337,7 @@ class Trainer:
         )
         self.updating = False
         if self.device.type == "cuda":  # when the device is done with this step's work
-            self.step_done = torch.cuda.Event()
+            self.step_done = self.step_done or torch.cuda.Event()
             self.step_done.record()
         return self._mean_loss(losses), applied, grad_norm
 
