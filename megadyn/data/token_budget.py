@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megadyn.data.sampler import DataCursor, GlobalSampleOrder
+from megadyn.data.sampler import DataCursor, GlobalSampleOrder, micro_batch_indices
 
 
 def step_share(consumed_samples: int, dp_rank: int, dp_size: int, global_batch: int) -> range:
@@ -43,9 +43,7 @@ def step_share(consumed_samples: int, dp_rank: int, dp_size: int, global_batch: 
             f"--global-batch-size ({global_batch}) is not divisible by the data-parallel "
             f"size ({dp_size})"
         )
-    per_rank = global_batch // dp_size
-    start = consumed_samples + dp_rank * per_rank
-    return range(start, start + per_rank)
+    return micro_batch_indices(consumed_samples, dp_rank, dp_size, global_batch // dp_size)
 
 
 def group_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:

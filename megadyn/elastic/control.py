@@ -160,9 +160,13 @@ class ControlChannel:
         return self.epoch(n)
 
 
+DRAIN_QUEUE = "drain"
+"""The control store's queue of drain notices (megadyn/elastic/drain.py)."""
+
+
 def queue_of(request: Request) -> str:
     """The queue a request goes into: "drain" for drain notices, else "request"."""
-    return "drain" if request.action == "drain" else "request"
+    return DRAIN_QUEUE if request.action == "drain" else "request"
 
 
 def _result_key(queue: str, rid: int) -> str:

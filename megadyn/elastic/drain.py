@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megadyn.elastic.control import ControlChannel
+from megadyn.elastic.control import DRAIN_QUEUE, ControlChannel
 from megadyn.elastic.records import Request, RequestError, reconfiguration
 
 
@@ -56,7 +56,7 @@ class Refusal:
 class Drain:
     """One per process: sends this process's notice; the leader's reading of the queue."""
 
-    QUEUE = "drain"
+    QUEUE = DRAIN_QUEUE
 
     def __init__(self, channel: ControlChannel | None, signal: DrainSignal | None = None):
         self.channel, self.signal = channel, signal or DrainSignal()

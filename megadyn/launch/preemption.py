@@ -70,19 +70,21 @@ def end() -> None:
 
 class ExitSignalHook(StepHook):
     """--exit-signal-handler without elastic mode (Megatron-LM's): at every step boundary the
-    processes agree whether any got SIGTERM (one all-reduce over `group`); then all stop, and
+    processes agree whether any got SIGTERM (one all-reduce of a host flag over the layout's
+    gloo members group, so the device's queue of work is not waited for); then all stop, and
     the runtime saves a checkpoint (with --save) and exits 0."""
 
-    def __init__(self, group, device, *, saves: bool, print_fn=print) -> None:
-        self.group, self.device, self.saves, self.print = group, device, saves, print_fn
+    def __init__(self, *, saves: bool, print_fn=print) -> None:
+        self.saves, self.print = saves, print_fn
 
     def after_step(self, trainer) -> None:
-        flag = torch.tensor([float(_received)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        group = trainer.groups.members_group
+        flag = torch.tensor([float(_received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if not flag.item():
             return
         it = trainer.iteration
-        if dist.get_rank(self.group) == 0:
+        if dist.get_rank(group) == 0:
             save = "saving a checkpoint and " if self.saves else ""
             self.print(
                 f" exit signal handler: SIGTERM received; {save}exiting at iteration {it} "

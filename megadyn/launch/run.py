@@ -153,7 +153,7 @@ def run(
     controller, last_hook = None, None
     if preemption.install(cfg) and not cfg.elastic.live:  # --exit-signal-handler
         saves = bool(cfg.checkpoint.save)
-        last_hook = preemption.ExitSignalHook(dist.group.WORLD, device, saves=saves)
+        last_hook = preemption.ExitSignalHook(saves=saves)
     if cfg.elastic.live:
 
         def make_trainer(groups, training: dict, step_hook):  # a standby process joins

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from megadyn.core.optimizer import OptimizerConfig
-
-OPTIMIZER_STATES = ("main", "exp_avg", "exp_avg_sq")
+from megadyn.core.optimizer.shards import STATE_KEYS
 
 
 def export_tensors(chunks, optimizer, cfg: OptimizerConfig) -> dict[str, torch.Tensor]:
@@ -39,5 +38,5 @@ def adopt_tensors(chunks, optimizer, state: dict[str, torch.Tensor]) -> None:
             param.copy_(state[f"model.{name}"].view(param.shape))
             start, end = optimizer.shard_range(param)
             if end > start:
-                shard = {k: state[f"optim.{name}.{k}"].reshape(-1) for k in OPTIMIZER_STATES}
+                shard = {k: state[f"optim.{name}.{k}"].reshape(-1) for k in STATE_KEYS}
                 optimizer.load_shard_state(param, shard)

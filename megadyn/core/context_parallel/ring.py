@@ -42,20 +42,29 @@ def _block_plan(step: int, origin: int, rank: int, half: int) -> tuple[slice, sl
     return slice(half, None), everything, False
 
 
-def _step_block(ring: RingExchange, step: int, half: int, document_ids):
+def _step_block(ring: RingExchange, step: int, half: int, document_ids, seen=None):
     """(rows, cols, causal, visible) of ring step `step`, where `visible` [b, 1, sq, sk] keeps
     the pairs of one document (None without `document_ids` [b, S]); None when nothing in the
-    block is visible."""
+    block is visible (`seen`: `_steps_seen`'s flags)."""
     origin = (ring.rank - step) % ring.size
     rows, cols, causal = _block_plan(step, origin, ring.rank, half)
     if document_ids is None:
         return rows, cols, causal, None
+    if seen is not None and not seen[step]:
+        return None
     q_doc = split_sequence(document_ids, ring.rank, ring.size, dim=1)[:, rows]  # [b, sq]
     k_doc = split_sequence(document_ids, origin, ring.size, dim=1)[:, cols]  # [b, sk]
     visible = (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1)  # [b, 1, sq, sk]
-    if step > 0 and not bool(visible.any()):  # step 0 holds every query's own key
-        return None
     return rows, cols, causal, visible
+
+
+def _steps_seen(ring: RingExchange, half: int, document_ids) -> list[bool] | None:
+    """Whether each ring step's block has a visible pair, read from the device once per call
+    (step 0 holds every query's own key); None without `document_ids`."""
+    if document_ids is None:
+        return None
+    later = [_step_block(ring, step, half, document_ids)[3].any() for step in range(1, ring.size)]
+    return [True] + (torch.stack(later).tolist() if later else [])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -67,10 +76,11 @@ class _RingAttention(torch.autograd.Function):
         half = q.shape[2] // 2
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         out = lse = None
+        seen = _steps_seen(ring, half, document_ids)
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            block = _step_block(ring, step, half, document_ids)
+            block = _step_block(ring, step, half, document_ids, seen)
             if block is not None:
                 rows, cols, causal, visible = block
                 qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
@@ -86,7 +96,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.document_ids, ctx.kernel = group, scale, document_ids, kernel
-        ctx.dropout, ctx.masked = dropout, masked
+        ctx.dropout, ctx.masked, ctx.seen = dropout, masked, seen
         return out
 
     @staticmethod
@@ -101,7 +111,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            block = _step_block(ring, step, half, ctx.document_ids)
+            block = _step_block(ring, step, half, ctx.document_ids, ctx.seen)
             if block is not None:
                 rows, cols, causal, visible = block
                 qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]

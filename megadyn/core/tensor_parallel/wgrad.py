@@ -54,7 +54,7 @@ def weight_grad(weight, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool) -> tor
 
 
 def add_to_main_grad(weight, grad_w: torch.Tensor) -> torch.Tensor:
-    """Add a computed weight gradient (fp8 GEMMs write one in fp32) into `weight.main_grad`;
+    """Add a computed weight gradient (fp8 GEMMs write one in the weight's dtype) into `weight.main_grad`;
     the placeholder to hand autograd."""
     weight.main_grad.add_(grad_w)
     return _added(weight)
