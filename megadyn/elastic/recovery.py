@@ -9,7 +9,7 @@
     -> AGREE   through the agent's store (agreement.py): who is left, the step each survivor's
                tensors are at, and one decision by the lowest surviving member
     -> PLAN    a waiting standby process takes each dead member's place in the same layout;
-               else the layout for the survivors' count (requests.layout_for_count), keeping
+               else the layout for the survivors' count (requests.layout_for_remaining), keeping
                the global batch; the reshard plan reads only from survivors whose tensors are
                at the agreed step (`restrict`): data-parallel copies, or any other replica the
                state description lists
@@ -43,7 +43,7 @@ from megadyn.elastic.description import StateDescription, describe
 from megadyn.elastic.events import describe_layout
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.planner import PlanError, plan_between
-from megadyn.elastic.requests import _check_min_members, check_layout, layout_for_count
+from megadyn.elastic.requests import layout_for_remaining
 
 
 @dataclass
@@ -112,9 +112,7 @@ def decide(controller, model_cfg, groups, reports: dict[int, Report], dead: set[
             layout = old_layout
         else:  # every survivor, standby processes too, under the layout for their count
             rest = sorted([r for r in old_members if r not in dead] + standby)
-            _check_min_members(len(rest), cfg)
-            layout = layout_for_count(len(rest), model_cfg, cfg, groups)
-            check_layout(layout, model_cfg, cfg)
+            layout = layout_for_remaining(len(rest), model_cfg, cfg, groups)
             new_members = rest[: layout.world_size]
         new_members = list(canonical_members(layout, new_members))
     except LayoutError as e:
@@ -148,7 +146,7 @@ def decide(controller, model_cfg, groups, reports: dict[int, Report], dead: set[
             continue
         return {**head, "iteration": it, "sources": sources, "training": members[it_source(
             members, it)].training}  # fmt: skip
-    newest = max(steps, default=None)
+    newest = head["newest"]
     training = members[it_source(members, newest)].training if newest is not None else None
     return {**head, "iteration": newest, "sources": [], "training": training, "missing": reason}
 

@@ -77,10 +77,17 @@ def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None)
         replaced = [standby[0] if r == rank else r for r in members]
         return groups.layout, list(canonical_members(groups.layout, replaced)), [rank]
     rest = [r for r in members if r != rank]
-    _check_min_members(len(rest), cfg)
-    layout = layout_for_count(len(rest), model_cfg, cfg, groups, cost=cost)
-    check_layout(layout, model_cfg, cfg)
+    layout = layout_for_remaining(len(rest), model_cfg, cfg, groups, cost=cost)
     return layout, list(canonical_members(layout, rest)), [rank]
+
+
+def layout_for_remaining(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
+    """The layout for the `n` processes left after members leave (a drain, or a failure that
+    no standby process covers), checked against the job; LayoutError when none runs it."""
+    _check_min_members(n, cfg)
+    layout = layout_for_count(n, model_cfg, cfg, groups, cost=cost)
+    check_layout(layout, model_cfg, cfg)
+    return layout
 
 
 def layout_for_count(n: int, model_cfg, cfg, groups, cost=None, gpu_memory_gib=None) -> Layout:
