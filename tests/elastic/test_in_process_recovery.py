@@ -181,8 +181,8 @@ def test_no_replica_of_an_optimizer_shard_falls_back_to_the_snapshot(tmp_path, r
 
 
 @pytest.mark.xfail(
-    reason="known defect (issue 20): run alone, this job often ends with the lone survivor "
-    "hung or finding no clean source (exit 76); it passed in every whole-file run",
+    reason="known defect (issue 20): this job often ends with the lone survivor "
+    "hung or finding no clean source (exit 76)",
     strict=False,
 )
 def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
