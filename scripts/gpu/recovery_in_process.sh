@@ -2,11 +2,14 @@
 # On a GPU machine (2 GPUs): the 1.42B reference model at dp 2, bf16, under
 # `python -m megadyn.launch --max-restarts 0` in elastic mode (--elastic-recovery in-process);
 # one worker is killed (SIGKILL) after iteration 12 and tools/bench_recovery.py --in-process
-# times kill -> next completed step, in the same processes. Two runs:
+# times kill -> next completed step, in the same processes. Three runs:
+#   instances  the reference model's flags (distributed optimizer) with
+#              --num-distributed-optimizer-instances 2: every optimizer shard is held twice, so the
+#              survivor takes the dead rank's shard from its own copy (dp 2 -> dp 1)
 #   replicas   without the distributed optimizer: the survivor holds every piece (dp 2 -> dp 1)
 #   snapshot   with it (the reference model's flags): the dead rank's optimizer shard has no
 #              replica, so the survivor loads the newest in-memory snapshot (every 5 steps)
-# Usage: bash scripts/gpu/recovery_in_process.sh OUTDIR   (RUNS="replicas snapshot" by default)
+# Usage: bash scripts/gpu/recovery_in_process.sh OUTDIR   (RUNS="instances replicas snapshot" by default)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_recovery_in_process}; mkdir -p "$OUT"
 # NCCL's watchdog must leave a process whose communicators the recovery aborts up
@@ -14,8 +17,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=0 OMP_NUM_THREADS=4 PY
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 source scripts/gpu/reference_model.sh
 COMMON=(--train-iters 20 --log-interval 1 --elastic-control-port 29600 --elastic-heartbeat-timeout 30)
-for run in ${RUNS:-replicas snapshot}; do
-  if [ "$run" = replicas ]; then
+for run in ${RUNS:-instances replicas snapshot}; do
+  if [ "$run" = instances ]; then
+    FLAGS=("${REFERENCE_MODEL[@]}" --num-distributed-optimizer-instances 2)
+    EXTRA=()
+  elif [ "$run" = replicas ]; then
     FLAGS=(); for f in "${REFERENCE_MODEL[@]}"; do [ "$f" = --use-distributed-optimizer ] || FLAGS+=("$f"); done
     EXTRA=()
   else
