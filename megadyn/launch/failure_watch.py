@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megadyn.launch import failures, torchrun_env
@@ -115,13 +116,23 @@ class FailureWatch:
 def abort_nccl_groups() -> None:
     """On NCCL a collective that waits on a dead rank does not return: abort the communicator
     of every group but the default one (the recovery destroys them all and builds new ones).
+    The aborts run inside one NCCL group call: aborted one by one, a communicator's abort can
+    wait on the device behind another group's collective that still waits on the dead rank.
     Run with TORCH_NCCL_ASYNC_ERROR_HANDLING=0, so that NCCL's watchdog leaves the process up."""
     c10d = dist.distributed_c10d
     default = c10d._get_default_group()
-    for group in list(c10d._world.pg_map):
-        if group is default or dist.get_backend(group) != "nccl":
-            continue
-        try:
-            c10d._abort_process_group(group)
-        except Exception:  # noqa: BLE001 - destroyed meanwhile by the main thread
-            pass
+    groups = [
+        g for g in list(c10d._world.pg_map) if g is not default and dist.get_backend(g) == "nccl"
+    ]
+    if not groups:
+        return
+    nccl = groups[0]._get_backend(torch.device("cuda"))
+    nccl._group_start()
+    try:
+        for group in groups:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - destroyed meanwhile by the main thread
+                pass
+    finally:
+        nccl._group_end()
