@@ -22,6 +22,7 @@ Starting the watch declares that this attempt's workers recover in-process
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -43,9 +44,12 @@ class FailureWatch:
         interval: float,
         on_failure=None,
         abort_nccl: bool = False,
+        abort_deadline_s: float = 30.0,
+        abort_exit: int = 1,
     ):
         self.store, self.world, self.timeout_s = store, world, timeout_s
         self.interval, self.on_failure, self.abort_nccl = interval, on_failure, abort_nccl
+        self.abort_deadline_s, self.abort_exit = abort_deadline_s, abort_exit
         self.trainer = None  # the runtime's current trainer (its last step's CUDA event)
         self.device_done: int | None = None  # set when the NCCL communicators are aborted
         self._dead: dict[int, float] = {}
@@ -60,19 +64,27 @@ class FailureWatch:
 
     @classmethod
     def start(
-        cls, timeout_s: float, interval: float = 0.05, on_failure=None, abort_nccl: bool = False
+        cls,
+        timeout_s: float,
+        interval: float = 0.05,
+        on_failure=None,
+        abort_nccl: bool = False,
+        **abort,
     ) -> FailureWatch | None:
         """Declare in-process recovery and start watching; None unless the launcher keeps
         survivors (plain torchrun stops every worker when one fails). With `abort_nccl` a
         failure aborts the NCCL communicators (`abort_nccl_groups`), after noting the last
-        step of `trainer` whose device work had finished (`device_done`)."""
+        step of `trainer` whose device work had finished (`device_done`); `abort` sets
+        `abort_deadline_s` and `abort_exit` (see `_abort_within_deadline`)."""
         env = torchrun_env.current()
         if env.restart_count is None or not env.keep_survivors:
             return None
         store = dist.PrefixStore(
             attempt_prefix(env.restart_count), agent_store(timedelta(seconds=60))
         )
-        watch = cls(store, dist.get_world_size(), timeout_s, interval, on_failure, abort_nccl)
+        watch = cls(
+            store, dist.get_world_size(), timeout_s, interval, on_failure, abort_nccl, **abort
+        )
         failures.declare_recovering(store)
         watch._thread.start()
         return watch
@@ -99,10 +111,33 @@ class FailureWatch:
                 continue
             if self.abort_nccl:
                 self.device_done = self._device_done()
-                abort_nccl_groups()
+                self._abort_within_deadline(sorted(new))
             self._dead.update(new)
             if self.on_failure is not None:
                 self.on_failure(set(new))
+
+    def _abort_within_deadline(self, dead: list[int]) -> None:
+        """Abort the NCCL communicators; a survivor whose abort does not return within
+        `abort_deadline_s` cannot recover in-process: it exits with `abort_exit` (the job's
+        restart path) instead of waiting on its communicators' own timeout."""
+        rank = dist.get_rank()
+
+        def stuck() -> None:
+            print(
+                f" failure watch: rank {rank}: aborting the NCCL communicators after rank(s) "
+                f"{dead} failed did not return in {self.abort_deadline_s:g} s; exiting with "
+                f"status {self.abort_exit} so that the restart path takes over",
+                flush=True,
+            )
+            os._exit(self.abort_exit)
+
+        timer = threading.Timer(self.abort_deadline_s, stuck)
+        timer.daemon = True
+        timer.start()
+        try:
+            abort_nccl_groups()
+        finally:
+            timer.cancel()
 
     def _device_done(self) -> int:
         """The last step of the current trainer whose device work has finished."""

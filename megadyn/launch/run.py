@@ -103,6 +103,8 @@ def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None, device) -> Fai
         max(60.0, 2 * el.heartbeat_timeout),
         on_failure=watchdog.forget if watchdog is not None else None,
         abort_nccl=device.type == "cuda",
+        abort_deadline_s=max(30.0, el.heartbeat_timeout),
+        abort_exit=RECOVERY_EXIT,
     )
     if watch is not None and watchdog is not None:
         watchdog.keep_going = True
