@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import Report
+from megadyn.elastic.agreement import Holding, Report
 from megadyn.elastic.controller import distopt_of
 from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery import abort, decide, recovery_plan
+from megadyn.elastic.recovery import abort
+from megadyn.elastic.recovery_decision import decide, recovery_plan
 from megadyn.training.arguments import parse_args
 
 TINY = (
@@ -57,7 +58,7 @@ def test_a_standby_process_takes_the_dead_members_place():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
     cfg, controller, groups = setup(tp2dp2, range(4))
     seen = reports(tp2dp2, range(4), {0: 5, 2: 5, 3: 5}, standby=[4])
-    d = decide(controller, cfg.model, groups, seen, dead={1})
+    d = decide(controller, cfg.model, "gloo", seen, dead={1})
     # (members ascend within a pipeline stage, as torch numbers group ranks)
     assert Layout(**d["layout"]) == tp2dp2 and d["members"] == [0, 2, 3, 4]
     assert (d["iteration"], d["sources"], d["group_count"]) == (5, [0, 2, 3], 13)
@@ -66,7 +67,7 @@ def test_a_standby_process_takes_the_dead_members_place():
 def test_without_standby_the_survivors_take_the_layout_for_their_count():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
     cfg, controller, groups = setup(tp2dp2, range(4))
-    d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
+    d = decide(controller, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
     assert Layout(**d["layout"]).world_size == 3 and sorted(d["members"]) == [0, 1, 2]
     assert d["sources"] == [0, 1, 2]
 
@@ -76,7 +77,7 @@ def test_the_oldest_step_every_survivor_reached_and_only_its_holders():
     # rank 1 alone; then rank 1 is the only source of dp replica 0's pieces and of nothing else
     dp4 = Layout(tp=1, pp=1, dp=4)
     cfg, controller, groups = setup(dp4, range(4))
-    d = decide(controller, cfg.model, groups, reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
+    d = decide(controller, cfg.model, "gloo", reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
     assert (d["iteration"], d["sources"], d["newest"]) == (5, [1], 6)
     assert d["training"] == {"state": {"iteration": 5}}
 
@@ -84,7 +85,7 @@ def test_the_oldest_step_every_survivor_reached_and_only_its_holders():
 def test_a_dead_ranks_optimizer_shard_has_no_replica():
     dp2 = Layout(tp=1, pp=1, dp=2)
     cfg, controller, groups = setup(dp2, range(2), "--use-distributed-optimizer")
-    d = decide(controller, cfg.model, groups, reports(dp2, range(2), {0: 4}), {1})
+    d = decide(controller, cfg.model, "gloo", reports(dp2, range(2), {0: 4}), {1})
     assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
     with pytest.raises(PlanError):
         recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
@@ -94,10 +95,25 @@ def test_a_dead_ranks_optimizer_shard_has_no_replica():
     assert plan.total_bytes == 0 and {t.src for t in plan.transfers} == {0}
 
 
+def test_a_failure_before_a_recoverys_first_step_reads_what_the_survivor_kept():
+    # dp3 lost rank 2 and the survivors went to pp2 over [0, 1] (no replica of either stage);
+    # rank 1 died before step 5 ended: rank 0 still holds the whole model at step 4 under dp3
+    dp3, pp2 = Layout(tp=1, pp=1, dp=3), Layout(tp=1, pp=2, dp=1)
+    cfg, controller, _ = setup(dp3, range(3))
+    training = {"state": {"iteration": 4}}
+    now = Report(0, True, 4, training, dataclasses.asdict(pp2), [0, 1])
+    kept = Holding(4, training, dataclasses.asdict(dp3), [0, 1, 2])
+    d = decide(controller, cfg.model, "gloo", {0: dataclasses.replace(now, earlier=[kept])}, {1, 2})
+    assert (d["old_layout"], d["old_members"]) == (dataclasses.asdict(dp3), [0, 1, 2])
+    assert (d["iteration"], d["sources"], d["holding"], d["members"]) == (4, [0], {"0": 1}, [0])
+    d = decide(controller, cfg.model, "gloo", {0: now}, {1})  # without it: stage 1 is lost
+    assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
+
+
 def test_no_layout_for_the_survivors_is_an_error():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
     cfg, controller, groups = setup(tp2dp2, range(4), "--elastic-min-members", "4")
-    d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
+    d = decide(controller, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
     assert d["error"].startswith("no layout for the survivors: 3 members is below")
 
 
