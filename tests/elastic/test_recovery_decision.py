@@ -5,15 +5,19 @@ at that step are read from (`restrict`); where no survivor holds a piece (the di
 optimizer's shard of the dead rank, dp 1) the decision says what is missing, and the recovery
 falls back to a snapshot. A survivor's tensors are those of its step unless the step stopped
 inside the optimizer's update, or ran past the last one the device had finished when the NCCL
-communicators were aborted."""
+communicators were aborted. The survivors' waits in the store end when another failure is
+recorded (the agreement then starts over) or at their deadline."""
 
 import dataclasses
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import Holding, Report
+from megadyn.elastic.agreement import Holding, RecoveryError, Report, Round
 from megadyn.elastic.controller import distopt_of
 from megadyn.elastic.planner import PlanError
 from megadyn.elastic.recovery import abort
@@ -140,3 +144,20 @@ def fake_trainer(iteration: int, clean: bool):
 )
 def test_the_step_a_survivors_tensors_are_at(clean, device_done, step):
     assert abort(fake_trainer(7, clean), device_done).iteration == step
+
+
+def test_waits_end_at_a_new_failure_or_their_deadline():
+    # ranks 0 and 1 survive rank 2's failure; before rank 1 arrives to connect, it dies too
+    dead = {2: 0.0}
+    feed = SimpleNamespace(dead=lambda: dict(dead))
+    rnd = Round(dist.HashStore(), set(dead))
+    threading.Timer(0.2, dead.update, ({1: 1.0},)).start()
+    t0 = time.monotonic()
+    assert rnd.arrive(0, [0, 1], feed, timeout_s=30) is False  # start over without rank 1
+    assert time.monotonic() - t0 < 5
+    rnd.store.set(f"{rnd.prefix}arrived/1", b"1")
+    assert rnd.arrive(0, [0, 1], SimpleNamespace(dead=lambda: {2: 0.0}), timeout_s=1) is True
+    with pytest.raises(RecoveryError, match="the survivors' reports did not come within 0 s"):
+        Round(dist.HashStore(), {2}).wait_reports(
+            [0, 1], feed=SimpleNamespace(dead=dict), timeout_s=0.1
+        )
