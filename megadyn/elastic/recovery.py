@@ -145,8 +145,8 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
 
 def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
     """This process's report, after its holdings' RNG streams are published."""
-    report = Report(rank, member=salvaged is not None, group_count=_group_count())
-    report = dataclasses.replace(report, host=gethostname())
+    member = salvaged is not None
+    report = Report(rank, member, group_count=_group_count(), host=gethostname())
     if salvaged is None:
         return report
     for k, h in enumerate([salvaged, *salvaged.earlier]):
