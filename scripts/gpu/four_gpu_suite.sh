@@ -168,6 +168,22 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------------
+md_table() {  # md_table TITLE PART < PYTHON: a section of suite.md whose table PYTHON prints from
+  # `rows`, PART.jsonl's records (json, re and sys imported)
+  local body; body=$(cat)
+  md ""; md "## $1"; md ""
+  md "$(python3 -c "import json, re, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+if not rows:
+    print('(no records: see the $2 logs in logs.tgz)')
+    sys.exit()
+$body" "$OUT/$2.jsonl" 2>&1)"
+}
+
+keep_records() {  # keep_records JSON_LOG RUN VARIANT PART: its JSON lines, tagged, into PART.jsonl
+  grep '^{' "$1" | sed "s/^{/{\"run\": $2, \"variant\": \"$3\", /" >> "$OUT/$4.jsonl"
+}
+
 recovery_model() {  # MODEL: the 1.42B reference model's flags; TINY=1: tools/bench_reshard.py --tiny's fp32 model
   source scripts/gpu/reference_model.sh
   MODEL=("${REFERENCE_MODEL[@]}")
@@ -202,17 +218,11 @@ part_recovery() {
       || { echo "FAILED recovery run $i"; tail -n 5 "$log.err" "$log"; }
     echo "recovery $i $run: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
     [ $((SECONDS - t0)) -gt "$est" ] && est=$((SECONDS - t0))
-    grep '^{' "$log.json" | sed "s/^{/{\"run\": $i, \"variant\": \"$run\", /" >> "$OUT/recovery.jsonl"
+    keep_records "$log.json" "$i" "$run" recovery
     rm -rf /dev/shm/megadyn_recovery
     save_logs
   done
-  md ""; md "## recovery: kill -9 of one worker at tp2 x pp2 after iteration ${steps[2]} once snapshot ${steps[3]} is complete (snapshots every ${steps[1]} steps, restart path)"
-  md ""; md "$(python3 - "$OUT/recovery.jsonl" << 'EOF'
-import json, re, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-if not rows:
-    print("(no records: see the recovery logs in logs.tgz)")
-    sys.exit()
+  md_table "recovery: kill -9 of one worker at tp2 x pp2 after iteration ${steps[2]} once snapshot ${steps[3]} is complete (snapshots every ${steps[1]} steps, restart path)" recovery << 'EOF'
 def phases(line):
     out = {}
     m = re.search(r"failure to completed step \d+: ([0-9.]+) s", line or "")
@@ -235,7 +245,6 @@ for key in ("killed_after_iteration", "resumed_from_snapshot", "exit_code"):
 for n in names:
     print(f"| {n} | " + " | ".join(c.get(n, "-") for c in cols) + " |")
 EOF
-)"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -266,16 +275,10 @@ part_inprocess() {
       || { echo "FAILED in-process run $i ($run)"; tail -n 5 "$log.err" "$log"; }
     echo "inprocess $i $run: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
     [ $((SECONDS - t0)) -gt "$est" ] && est=$((SECONDS - t0))
-    grep '^{' "$log.json" | sed "s/^{/{\"run\": $i, \"variant\": \"$run\", /" >> "$OUT/inprocess.jsonl"
+    keep_records "$log.json" "$i" "$run" inprocess
     save_logs
   done
-  md ""; md "## inprocess: kill -9 of rank 1 after iteration $kill of $iters, in-process recovery (python -m megadyn.launch --max-restarts 0)"
-  md ""; md "$(python3 - "$OUT/inprocess.jsonl" << 'EOF'
-import json, re, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-if not rows:
-    print("(no records: see the inprocess logs in logs.tgz)")
-    sys.exit()
+  md_table "inprocess: kill -9 of rank 1 after iteration $kill of $iters, in-process recovery (python -m megadyn.launch --max-restarts 0)" inprocess << 'EOF'
 def fields(line):  # the job's " elastic: ... event: failure | key: value | ..." line
     return {k: v.strip() for k, v in re.findall(r"(\w+): ([^|]+)", line or "")}
 cols = [fields(r.get("job_recovery_line")) for r in rows]
@@ -292,7 +295,6 @@ for k in keys:
         print(f"| {names.get(k, k)} | " + " | ".join(c.get(k, "-") for c in cols) + " |")
 print("| exit code | " + " | ".join(str(r.get("exit_code")) for r in rows) + " |")
 EOF
-)"
 }
 
 for p in "${PARTS[@]}"; do
