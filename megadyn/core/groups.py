@@ -235,6 +235,12 @@ class ParallelGroups:
         'copy-engine'; None: no overlap), carrying this layout's communication resources."""
         return None if transport is None else CommOverlap(transport, self.comm)
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Bound every later collective on these groups by `timeout` (they were built with a
+        shorter one, which bounds only how long their creation waits for a peer)."""
+        for group in self._owned:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
     def destroy(self) -> None:
         """Release every group this object created and its communication resources; the object
         must not be used afterwards."""

@@ -5,6 +5,7 @@
     round.report(Report(...))                # every survivor, once per round
     reports = round.wait_reports(expected, feed, timeout_s)   # None: more died, start over
     round.decide(decision) / round.wait_decision(feed, timeout_s)
+    round.arrive(rank, span, feed, timeout_s)  # False: more died; then connect to each other
 
 The control store lives on rank 0, which may be the process that died, so the agreement runs
 in the store of torchrun's agent (the runtime hands it over in the `FailureFeed`), in keys of
@@ -51,6 +52,18 @@ class FailureFeed(Protocol):
 
 
 @dataclass(frozen=True)
+class Holding:
+    """Tensors a survivor kept of one step under a layout that an unfinished recovery left:
+    a failure before the first step after a recovery may find them a replica that the
+    recovery's own layout lacks (recovery.py)."""
+
+    iteration: int
+    training: dict
+    layout: dict
+    members: list[int]
+
+
+@dataclass(frozen=True)
 class Report:
     """What one survivor says about itself."""
 
@@ -67,30 +80,57 @@ class Report:
     """How many process groups it has drawn names for (sequential names must agree)."""
     host: str = ""
     """Its host name (where the control store goes when its host died)."""
+    earlier: list[Holding] = field(default_factory=list)
+    """Older holdings, newest first (its RNG streams: `rng/<rank>/<1 + index>`)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text) -> Report:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        earlier = [Holding(**h) for h in fields.pop("earlier", [])]
+        return cls(**fields, earlier=earlier)
+
+
+def poll(ready, timeout_s: float, interval: float = 0.02, first: float | None = None):
+    """Call `ready()` until it returns something other than None and return that; None once
+    `timeout_s` passed. The pause between calls starts at `first` (default `interval`) and
+    doubles up to `interval`. Every wait of the recovery and of the failure records is one."""
+    deadline = time.monotonic() + timeout_s
+    delay = interval if first is None else first
+    while True:
+        value = ready()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(delay)
+        delay = min(interval, delay * 2)
+
+
+_MORE_DIED = object()
 
 
 def _poll(ready, feed: FailureFeed, seen: set[int], timeout_s: float, what: str):
     """Poll `ready()` until it returns a value; None when more failures were recorded than
     `seen`; RecoveryError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
+
+    def ready_or_more_died():
         value = ready()
-        if value is not None:
-            return value
-        if set(feed.dead()) - seen:
-            return None
-        if time.monotonic() > deadline:
-            raise RecoveryError(f"{what} did not come within {timeout_s:.0f} s")
-        time.sleep(delay)
-        delay = min(0.05, delay * 2)
+        if value is None and set(feed.dead()) - seen:
+            return _MORE_DIED
+        return value
+
+    value = poll(ready_or_more_died, timeout_s, interval=0.05, first=0.002)
+    if value is None:
+        raise RecoveryError(f"{what} did not come within {timeout_s:.0f} s")
+    return None if value is _MORE_DIED else value
+
+
+def more_failures(feed: FailureFeed, seen: set[int], timeout_s: float) -> bool:
+    """Whether a failure beyond `seen` gets recorded within `timeout_s`."""
+    return poll(lambda: bool(set(feed.dead()) - seen) or None, timeout_s) is not None
 
 
 class Round:
@@ -131,6 +171,15 @@ class Round:
             return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
         return _poll(ready, feed, self.dead, timeout_s, "the recovery decision")
+
+    def arrive(self, rank: int, expected: list[int], feed: FailureFeed, timeout_s: float) -> bool:
+        """Wait until every process of `expected` arrived here too (before processes connect
+        to each other: a process group's creation waits on a dead peer for the group's whole
+        timeout); False when another failure was recorded meanwhile."""
+        self.store.set(f"{self.prefix}arrived/{rank}", b"1")
+        keys = [f"{self.prefix}arrived/{r}" for r in expected]
+        ready = lambda: True if self.store.check(keys) else None  # noqa: E731
+        return _poll(ready, feed, self.dead, timeout_s, "every survivor's arrival") is not None
 
     def publish(self, name: str, value: bytes) -> None:
         self.store.set(f"{self.prefix}{name}", value)

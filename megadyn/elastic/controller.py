@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megadyn.core.distributed import default_bucket_size
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError
+from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, poll
 from megadyn.elastic.control import NONE, ControlChannel
 from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
@@ -97,6 +97,7 @@ class ElasticController:
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.members: list[int] = []  # the layout's, known to standby processes too
         self._recovered: tuple[dict, float] | None = None  # its first step is still to time
+        self.kept = None  # what the last recovery read from, until its first step ends
         self.events: list[dict] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
 
@@ -193,14 +194,15 @@ class ElasticController:
         `timeout_s` (else the error is not a peer's death)."""
         if self.failures is None:
             return False
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def member_failed():
             try:
                 self.check_failures()
             except PeerFailed:
                 return True
-            time.sleep(0.02)
-        return False
+            return None
+
+        return poll(member_failed, timeout_s) is not None
 
     def recover(self, trainer: ReshardableTrainer | None) -> ReshardableTrainer | None:
         """The survivors' recovery (recovery.py): the trainer this process runs next, None
@@ -233,7 +235,7 @@ class ElasticController:
         """After the first step since a recovery: its line (on the last member), with the
         first step's seconds and the total from the failure's record."""
         event, t_done = self._recovered
-        self._recovered = None
+        self._recovered = self.kept = None
         failed_at = event.pop("failed_at")
         event["first_step_s"] = round(time.perf_counter() - t_done, 4)
         event["total_s"] = round(time.time() - failed_at, 4)
@@ -268,7 +270,7 @@ class ElasticController:
     ) -> ReshardableTrainer | None:
         """Carry out reconfiguration `rec`; returns the trainer this process runs next (or None
         for `Finish`); raises Released when this process leaves the layout."""
-        self.epoch = rec.epoch
+        self.epoch, self.kept = rec.epoch, None
         if isinstance(rec, Finish):
             return None
         self.members = list(rec.members)

@@ -8,20 +8,30 @@
                still blocked in a collective with this rank raises too (gloo has no abort)
     -> AGREE   through the agent's store (agreement.py): who is left, the step each survivor's
                tensors are at, and one decision by the lowest surviving member
+               (recovery_decision.py)
     -> PLAN    a waiting standby process takes each dead member's place in the same layout;
-               else the layout for the survivors' count (requests.layout_for_remaining), keeping
+               else the layout for the survivors' count (requests.replace_or_shrink), keeping
                the global batch; the reshard plan reads only from survivors whose tensors are
                at the agreed step (`restrict`): data-parallel copies, or any other replica the
                state description lists
-    -> MOVE    the executor, over a group of the sources and the new members
+    -> MOVE    the executor, over a group of the sources and the new members (who first meet
+               in the store: `Round.arrive`)
     -> REBUILD groups, model, optimizer, loaders at the agreed step (the data cursor rolls
                back with it, so no sample is drawn twice), RNG streams of a source
     -> RUNNING at most the interrupted step runs again.
 
 Where no survivor holds a piece (dp 1; the distributed optimizer's shard of the dead rank),
 the state comes from the newest in-memory snapshot when the runtime has one (`resume`), else
-RecoveryError ends this process and torchrun's restart path follows. A second failure while
-one is handled starts the agreement over with the larger set of dead ranks.
+RecoveryError ends this process and torchrun's restart path follows.
+
+A second failure while one is handled starts the agreement over with the larger set of dead
+ranks; until the recovery's first step has finished, each survivor also keeps the tensors it
+read from (`Salvaged.earlier`, handed on to the next recovery through `controller.kept`), so
+that a layout the recovery chose without replicas (the planner's pp 2 over two processes, say)
+does not lose what the layout before it still held twice. Every wait has a deadline
+(`feed.timeout_s`) and watches the failure records: the store polls of the agreement, and the
+creation of the new groups, which waits on each peer only for that deadline (then the job's
+--distributed-timeout-minutes bounds their collectives).
 """
 
 from __future__ import annotations
@@ -31,19 +41,26 @@ import gc
 import io
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from socket import gethostname
 
 import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.core.layout import Layout, LayoutError, RankGrid, canonical_members
-from megadyn.elastic.agreement import FailureFeed, RecoveryError, Report, Round
-from megadyn.elastic.description import StateDescription, describe
+from megadyn.core.layout import Layout, RankGrid
+from megadyn.elastic.agreement import (
+    FailureFeed,
+    Holding,
+    RecoveryError,
+    Report,
+    Round,
+    more_failures,
+)
 from megadyn.elastic.events import describe_layout
 from megadyn.elastic.executor import execute_plan
-from megadyn.elastic.planner import PlanError, plan_between
-from megadyn.elastic.requests import layout_for_remaining
+from megadyn.elastic.planner import PlanError
+from megadyn.elastic.recovery_decision import decide, recovery_plan
 
 
 @dataclass
@@ -58,6 +75,19 @@ class Salvaged:
     groups: ParallelGroups
     """The old layout's (destroyed: only its layout and members are read)."""
     model_cfg: object
+    earlier: list[Salvaged] = dataclasses.field(default_factory=list)
+    """What it kept from before the recoveries whose first step has not finished, newest
+    first (each at its step: the tensors a recovery hands on are copies)."""
+
+    def holding(self, index: int) -> Salvaged:
+        """0: this one; k: the k-th earlier."""
+        return self if index == 0 else self.earlier[index - 1]
+
+    def kept_with(self, kept: Salvaged | None) -> Salvaged:
+        """This, with `kept` (the salvage a recovery used, its first step unfinished) and what
+        `kept` kept as earlier holdings."""
+        older = [] if kept is None else [kept, *kept.earlier]
+        return dataclasses.replace(self, earlier=[h for h in older if h.iteration is not None])
 
 
 def abort(trainer, device_done: int | None = None) -> Salvaged:
@@ -80,85 +110,6 @@ def abort(trainer, device_done: int | None = None) -> Salvaged:
     return Salvaged(tensors, iteration, training, buf.getvalue(), groups, trainer.model_cfg)
 
 
-def restrict(desc: StateDescription, holders) -> StateDescription:
-    """`desc` with only the pieces that `holders` hold: the replicas a recovery may read."""
-    keep = set(holders)
-    return StateDescription(desc.tensors, {r: p for r, p in desc.pieces.items() if r in keep})
-
-
-def recovery_plan(model_cfg, distopt_of, old_layout, old_members, layout, members, sources):
-    """The reshard plan that rebuilds `layout` over `members` from `sources` alone (PlanError
-    when some piece has no holder among them)."""
-    old = describe(model_cfg, old_layout, old_members, distopt=distopt_of(old_layout))
-    new = describe(model_cfg, layout, members, distopt=distopt_of(layout))
-    return plan_between(restrict(old, sources), new)
-
-
-def decide(controller, model_cfg, groups, reports: dict[int, Report], dead: set[int]) -> dict:
-    """The lowest surviving member's decision: the new layout and members, the step and the
-    sources, or why the survivors cannot go on."""
-    cfg = controller.cfg
-    members = {r: rep for r, rep in reports.items() if rep.member}
-    views = {(json_key(rep.layout), tuple(rep.members)) for rep in members.values()}
-    if len(views) != 1:
-        return {"error": f"the survivors disagree on the layout they trained under: {views}"}
-    old_layout, old_members = Layout(**next(iter(members.values())).layout), groups.grid.members
-    lost = [r for r in old_members if r in dead]
-    standby = [r for r in sorted(reports) if r not in old_members]
-    try:
-        if len(standby) >= len(lost):  # standby processes take the dead members' places
-            fill = dict(zip(lost, standby))
-            new_members = [fill.get(r, r) for r in old_members]
-            layout = old_layout
-        else:  # every survivor, standby processes too, under the layout for their count
-            rest = sorted([r for r in old_members if r not in dead] + standby)
-            layout = layout_for_remaining(len(rest), model_cfg, cfg, groups)
-            new_members = rest[: layout.world_size]
-        new_members = list(canonical_members(layout, new_members))
-    except LayoutError as e:
-        return {"error": f"no layout for the survivors: {e}"}
-    head = {
-        "layout": dataclasses.asdict(layout),
-        "members": new_members,
-        "old_layout": dataclasses.asdict(old_layout),
-        "old_members": list(old_members),
-        "group_count": max(rep.group_count for rep in reports.values()),
-        "vocab_size": model_cfg.vocab_size,
-        "control": [min(reports), reports[min(reports)].host],  # if its host died
-    }
-    steps = sorted({rep.iteration for rep in members.values() if rep.iteration is not None})
-    head["newest"] = max(steps, default=None)
-    reason = "no survivor finished a step cleanly"
-    for it in steps:  # the oldest step first: every survivor went that far
-        sources = sorted(r for r, rep in members.items() if rep.iteration == it)
-        try:
-            recovery_plan(
-                model_cfg,
-                controller.distopt_of,
-                old_layout,
-                old_members,
-                layout,
-                new_members,
-                sources,
-            )
-        except PlanError as e:
-            reason = f"no survivor holds a replica ({e})"
-            continue
-        return {**head, "iteration": it, "sources": sources, "training": members[it_source(
-            members, it)].training}  # fmt: skip
-    newest = head["newest"]
-    training = members[it_source(members, newest)].training if newest is not None else None
-    return {**head, "iteration": newest, "sources": [], "training": training, "missing": reason}
-
-
-def json_key(d: dict) -> tuple:
-    return tuple(sorted(d.items()))
-
-
-def it_source(members: dict[int, Report], it: int) -> int:
-    return min(r for r, rep in members.items() if rep.iteration == it)
-
-
 def group_count_at_least(n: int) -> None:
     """Every survivor draws the next process-group names from the same count (a failure may
     have cut a round of group creation short on some of them)."""
@@ -174,20 +125,7 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
         dead = set(feed.dead())
         survivors = [r for r in controller.live if r not in dead]
         rnd = Round(feed.store, dead)
-        report = Report(
-            rank, member=salvaged is not None, group_count=_group_count(), host=gethostname()
-        )
-        if salvaged is not None:
-            g = salvaged.groups
-            report = dataclasses.replace(
-                report,
-                iteration=salvaged.iteration,
-                training=salvaged.training,
-                layout=dataclasses.asdict(g.layout),
-                members=list(g.grid.members),
-            )
-            rnd.publish(f"rng/{rank}", salvaged.rng)
-        rnd.report(report)
+        rnd.report(_report(rank, salvaged, rnd))
         reports = rnd.wait_reports(survivors, feed, feed.timeout_s)
         if reports is None:
             continue
@@ -195,7 +133,8 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
         if not deciders:
             raise RecoveryError("no member of the layout survived")
         if rank == min(deciders):
-            rnd.decide(decide(controller, salvaged.model_cfg, salvaged.groups, reports, dead))
+            backend = salvaged.groups.backend
+            rnd.decide(decide(controller, salvaged.model_cfg, backend, reports, dead))
         decision = rnd.wait_decision(feed, feed.timeout_s)
         if decision is None:
             continue
@@ -204,14 +143,40 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
         return rnd, survivors, decision
 
 
+def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
+    """This process's report, after its holdings' RNG streams are published."""
+    member = salvaged is not None
+    report = Report(rank, member, group_count=_group_count(), host=gethostname())
+    if salvaged is None:
+        return report
+    for k, h in enumerate([salvaged, *salvaged.earlier]):
+        rnd.publish(f"rng/{rank}/{k}", h.rng)
+    return dataclasses.replace(
+        report,
+        iteration=salvaged.iteration,
+        training=salvaged.training,
+        layout=dataclasses.asdict(salvaged.groups.layout),
+        members=list(salvaged.groups.grid.members),
+        earlier=[
+            Holding(
+                h.iteration,
+                h.training,
+                dataclasses.asdict(h.groups.layout),
+                list(h.groups.grid.members),
+            )
+            for h in salvaged.earlier
+        ],
+    )
+
+
 def _group_count() -> int:
     return dist.distributed_c10d._world.group_count
 
 
-def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, created: list):
+def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, feed, created):
     """PLAN, MOVE and REBUILD by `decision`; returns this process's trainer (None: standby)
     and the plan. Groups it creates go into `created` (dropped if another failure cuts it
-    short)."""
+    short: then a RuntimeError)."""
     rank, cfg = dist.get_rank(), controller.cfg
     timeout = cfg.parallel.distributed_timeout
     layout, members = Layout(**decision["layout"]), list(decision["members"])
@@ -219,10 +184,16 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     sources = decision["sources"]
     group_count_at_least(decision["group_count"])
     span = sorted(set(sources) | set(members))
-    span_group = dist.new_group(span, timeout=timeout)  # every survivor, in one order
+    if not rnd.arrive(rank, span, feed, feed.timeout_s):
+        raise RuntimeError("another process failed before the survivors connected")
+    # a peer that dies after it arrived fails the connection after the recovery's timeout,
+    # not the job's (a group's creation waits on each peer); collectives get the job's
+    connect = min(timedelta(seconds=feed.timeout_s), timeout)
+    span_group = dist.new_group(span, timeout=connect)  # every survivor, in one order
     created.append(span_group)
-    groups = ParallelGroups.build(layout, members, timeout=timeout)
+    groups = ParallelGroups.build(layout, members, timeout=connect)
     created.append(groups)
+    groups.set_timeout(timeout)
     model_cfg = cfg.model.with_(vocab_size=decision["vocab_size"])
     plan = None
     if sources:
@@ -232,7 +203,8 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     t_move = time.perf_counter()
     new_state = {}
     if plan is not None and rank in span:
-        local = salvaged.tensors if salvaged is not None else {}
+        held = decision["holding"].get(str(rank))
+        local = salvaged.holding(held).tensors if held is not None else {}
         new_state = execute_plan(
             plan,
             local.__getitem__,
@@ -253,7 +225,7 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     if trainer is not None:
         if plan is not None:
             trainer.take(new_state, training)
-            _restore_rng(rnd, trainer, old_layout, old_members, sources)
+            _restore_rng(rnd, trainer, old_layout, old_members, decision["holding"])
         elif not controller.resume(trainer):
             raise RecoveryError(f"{decision['missing']}, and no in-memory snapshot to load")
     dist.destroy_process_group(span_group)
@@ -261,14 +233,16 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     return trainer, plan, (t_move, t_rebuild)
 
 
-def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, sources) -> None:
-    """The RNG streams of the lowest source at this rank's (pp, tp) coordinates, if any."""
+def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding: dict) -> None:
+    """The RNG streams of the lowest source at this rank's (pp, tp) coordinates, if any, from
+    the holding it is read from (`holding`: source -> its index)."""
     g = trainer.groups
     grid = RankGrid(old_layout, tuple(old_members))
-    for src in sources:
-        c = grid.coords_of(src)
+    for src in sorted(holding, key=int):
+        c = grid.coords_of(int(src))
         if (c.pp, c.tp) == (g.pp_rank, g.tp_rank):
-            trainer.set_rng_states(torch.load(io.BytesIO(rnd.read(f"rng/{src}"))))
+            states = rnd.read(f"rng/{src}/{holding[src]}")
+            trainer.set_rng_states(torch.load(io.BytesIO(states)))
             return
 
 
@@ -277,6 +251,9 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     trainer it runs next (None: standby) and the recovery's event (its phases' seconds)."""
     t0, wall0 = time.perf_counter(), time.time()
     salvaged = abort(trainer, feed.device_done) if trainer is not None else None
+    if salvaged is not None:  # a recovery whose first step has not finished: its holdings too
+        salvaged = salvaged.kept_with(controller.kept)
+    controller.kept = None
     t_abort = time.perf_counter()
     created: list = []
     while True:
@@ -284,13 +261,13 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
         t_agree = time.perf_counter()
         try:
             trainer, plan, (t_move, t_rebuild) = move_and_rebuild(
-                controller, trainer, salvaged, rnd, decision, created
+                controller, trainer, salvaged, rnd, decision, feed, created
             )
             break
         except RecoveryError:
             raise
         except (RuntimeError, PlanError):  # a collective with a process that died meanwhile
-            if not _more_failures(feed, rnd.dead, feed.timeout_s):
+            if not more_failures(feed, rnd.dead, feed.timeout_s):
                 raise
         for made in created:  # the new layout's groups: another round builds its own
             if isinstance(made, ParallelGroups):
@@ -302,6 +279,7 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
             trainer.release()
         gc.collect()
     t_done = time.perf_counter()
+    controller.kept = salvaged if trainer is not None else None  # until its first step ends
     controller.live = survivors
     if controller.control_rank in rnd.dead:  # the control store went with its host
         controller.rehost_control(*decision["control"])
@@ -329,13 +307,3 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
         "failed_at": failed_at,
     }
     return trainer, event
-
-
-def _more_failures(feed: FailureFeed, seen: set[int], timeout_s: float) -> bool:
-    """Whether a failure beyond `seen` gets recorded within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if set(feed.dead()) - seen:
-            return True
-        time.sleep(0.02)
-    return False

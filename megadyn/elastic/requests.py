@@ -6,8 +6,9 @@
 
 Members are kept in order; a scale-in keeps the first members, a scale-out adds standby
 processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, cp, pp and vpp; under
-`auto` the layout planner picks the fastest layout that fits. A drain puts the first standby
-process in the drained member's place (same layout), else scales in to the other members.
+`auto` the layout planner picks the fastest layout that fits. A drain, like a failure
+(recovery_decision.py), puts the first standby process in the leaving member's place (same
+layout), else scales in to the other members (`replace_or_shrink`).
 """
 
 from __future__ import annotations
@@ -73,12 +74,26 @@ def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None)
     if rank not in members:  # a standby process: it leaves the live set, the layout stays
         return groups.layout, members, [rank]
     standby = [r for r in live if r not in members and r != rank]
-    if standby:  # the first standby process takes the drained member's place
-        replaced = [standby[0] if r == rank else r for r in members]
-        return groups.layout, list(canonical_members(groups.layout, replaced)), [rank]
-    rest = [r for r in members if r != rank]
-    layout = layout_for_remaining(len(rest), model_cfg, cfg, groups, cost=cost)
-    return layout, list(canonical_members(layout, rest)), [rank]
+    layout, new_members = replace_or_shrink(groups, members, [rank], standby, model_cfg, cfg, cost)
+    return layout, new_members, [rank]
+
+
+def replace_or_shrink(old, members, leaving, waiting, model_cfg, cfg, cost=None):
+    """(layout, members) once the members in `leaving` go (a drain, a failure): the `waiting`
+    standby processes, in order, take their places in the same layout (`old.layout`) when
+    there are enough of them; else every process left, waiting ones too, runs under the layout
+    for their count (`old`: the old groups, or anything with their `layout` and `backend`).
+    LayoutError when no layout runs the job."""
+    gone = set(leaving)
+    lost = [r for r in members if r in gone]
+    if len(waiting) >= len(lost):
+        fill = dict(zip(lost, waiting))
+        layout, new_members = old.layout, [fill.get(r, r) for r in members]
+    else:
+        rest = [r for r in members if r not in gone] + list(waiting)
+        layout = layout_for_remaining(len(rest), model_cfg, cfg, old, cost=cost)
+        new_members = rest[: layout.world_size]
+    return layout, list(canonical_members(layout, new_members))
 
 
 def layout_for_remaining(n: int, model_cfg, cfg, groups, cost=None) -> Layout:

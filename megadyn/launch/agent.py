@@ -129,16 +129,7 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         workers of this agent go on."""
         failure = self._process_failure(local_rank, code)
         self._kept[local_rank] = failure
-        worker = worker_group.workers[local_rank]
-        record = failures.WorkerFailure(
-            rank=worker.global_rank,
-            local_rank=local_rank,
-            group_rank=worker_group.group_rank,
-            host=socket.gethostname(),
-            pid=failure.pid,
-            exitcode=code,
-            time=time.time(),
-        )
+        record = self._record(worker_group, local_rank, failure, seen=time.time())
         try:
             failures.record(self._records, record)
         except Exception as e:  # noqa: BLE001 - the store went with its host: still keep going
@@ -167,7 +158,8 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         every failure of the attempt by global rank (the first one is the summary's root cause)
         so that the agent restarts the group or fails the job."""
         workers = worker_group.workers
-        kept = [self._describe(workers[lr], f) for lr, f in sorted(self._kept.items())]
+        describe = lambda lr, f: self._record(worker_group, lr, f).describe()  # noqa: E731
+        kept = [describe(lr, f) for lr, f in sorted(self._kept.items())]
         if not last_failed:
             logger.warning(
                 "megadyn.launch: the worker group finished; failures survived: %s", "; ".join(kept)
@@ -182,7 +174,7 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         logger.error(
             "megadyn.launch: the survivors failed too (%s) after %s: the worker group failed "
             "(first failure: exitcode %s, local_rank %s, pid %s)",
-            ", ".join(self._describe(workers[lr], every[lr]) for lr in last_failed),
+            ", ".join(describe(lr, every[lr]) for lr in last_failed),
             "; ".join(kept),
             first.exitcode,
             first.local_rank,
@@ -194,10 +186,15 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         )
 
     @staticmethod
-    def _describe(worker, failure: ProcessFailure) -> str:
-        how = (
-            f"killed by {failure.signal_name()}"
-            if failure.exitcode < 0
-            else f"exited with {failure.exitcode}"
+    def _record(worker_group: WorkerGroup, local_rank: int, failure: ProcessFailure, seen=None):
+        """The failure record (and its one description) of worker `local_rank`, seen gone at
+        wall time `seen` (default: torchrun's whole second)."""
+        return failures.WorkerFailure(
+            rank=worker_group.workers[local_rank].global_rank,
+            local_rank=local_rank,
+            group_rank=worker_group.group_rank,
+            host=socket.gethostname(),
+            pid=failure.pid,
+            exitcode=failure.exitcode,
+            time=failure.timestamp if seen is None else seen,
         )
-        return f"rank {worker.global_rank} (pid {failure.pid}) {how}"

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from dataclasses import asdict, dataclass
+
+from megadyn.elastic.agreement import poll
 
 RECOVERING_KEY = "survivors_recover"
 """Set by the workers of an attempt (any one of them) once they recover from a peer's death."""
@@ -110,9 +111,6 @@ def wait_for(store, world_size: int, timeout: float, seen: int = 0) -> dict[int,
     """The workers' side, after a collective found a peer gone: wait up to `timeout` seconds for
     more than `seen` failures to be recorded (the agent polls its workers every monitor
     interval), then read them all. Empty when none came: the peer may be hung, not dead."""
-    deadline = time.monotonic() + timeout
-    while store.add(COUNT_KEY, 0) <= seen:
-        if time.monotonic() > deadline:
-            return {}
-        time.sleep(0.02)
+    if poll(lambda: store.add(COUNT_KEY, 0) > seen or None, timeout) is None:
+        return {}
     return read(store, world_size)

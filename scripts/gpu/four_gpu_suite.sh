@@ -9,8 +9,13 @@
 #              -> dp4 -> tp2 x dp2 -> cp2 x dp2 -> tp2 x pp2, against a DCP save + load of the same state.
 #   recovery   kill -9 of one worker at tp2 x pp2 (1.42B, snapshots every 20 steps in
 #              /dev/shm), restart path through torchrun (tools/bench_recovery.py), RECOVERY_RUNS.
-#   all        reference reshard recovery (more than one call's 10 minutes: BUDGET_S cuts it).
-# Parts named in TODO below (in-process recovery, heterogeneous pipelines, cp2 x dp2) wait for
+#   inprocess  kill -9 of rank 1 (1.42B) under python -m megadyn.launch --max-restarts 0, the
+#              survivors recover in the same processes (tools/bench_recovery.py --in-process):
+#              tp2 x dp2 with 2 distributed-optimizer instances -> the planner's layout for 3
+#              GPUs; dp 3 (no distributed optimizer) + 1 standby process that takes the dead
+#              member's place; global batch 24 (dp 3 divides it). About 3 minutes.
+#   all        reference reshard recovery inprocess (more than one call's 10 minutes: BUDGET_S cuts it).
+# Parts named in TODO below (heterogeneous pipelines, cp2 x dp2) wait for
 # their code: asking for one writes a line saying so. A new part is a function part_NAME that
 # appends its records to $OUT/NAME.jsonl and its table to $OUT/suite.md.
 # Usage: bash scripts/gpu/four_gpu_suite.sh OUTDIR PART...
@@ -21,8 +26,10 @@
 # reference: ROUNDS (2), ITERS (6), REF_ROWS (the four rows above), ROW_TIMEOUT (120),
 # REF_FRAMEWORKS ("mcore megadyn"); reshard: CHANGES ("dp4 tp2xdp2 cp2xdp2 tp2xpp2"), RESHARD_TIMEOUT
 # (300); recovery: RECOVERY_RUNS ("default default"; "no-fork-server" restarts without the fork
-# server), RECOVERY_TIMEOUT (200). TINY=1: a tiny model on any machine (a CPU smoke run of the
-# script: reshard and recovery with gloo, reference megadyn-only).
+# server), RECOVERY_TIMEOUT (200); inprocess: INPROCESS_RUNS ("tp2xdp2 dp3+standby"),
+# INPROCESS_ITERS (16), INPROCESS_KILL_AFTER (8), INPROCESS_TIMEOUT (150). TINY=1: a tiny model
+# on any machine (a CPU smoke run of the script: reshard, recovery and inprocess with gloo,
+# reference megadyn-only).
 set -uo pipefail
 usage() {  # the header above; on a wrong call only its usage line
   [ "${1:-0}" = 0 ] && sed -n '2,/^set -uo/{/^set -uo/d; s/^# \{0,1\}//; p}' "$0" \
@@ -32,15 +39,14 @@ usage() {  # the header above; on a wrong call only its usage line
 [ $# -ge 2 ] || usage 2
 OUT=$1; shift
 declare -A TODO=(
-  [inprocess]="in-process recovery (tp2 x dp2 -> the planner's 3-GPU layout; dp3 + a standby)"
   [hetero]="heterogeneous pipelines (a 2-stage and a 1-stage replica on 3 GPUs; 4 -> 3)"
   [cp]="the live change to cp2 x dp2 (context parallelism)"
 )
 PARTS=()
 for p in "$@"; do
   case $p in
-    all) PARTS+=(reference reshard recovery) ;;
-    reference | reshard | recovery) PARTS+=("$p") ;;
+    all) PARTS+=(reference reshard recovery inprocess) ;;
+    reference | reshard | recovery | inprocess) PARTS+=("$p") ;;
     -h | --help) usage 0 ;;
     *) [ -n "${TODO[$p]:-}" ] && PARTS+=("$p") || { echo "unknown part: $p" >&2; usage 2; } ;;
   esac
@@ -162,19 +168,39 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------------
-part_recovery() {
-  local runs=${RECOVERY_RUNS:-"default default"} est=${RECOVERY_ESTIMATE_S:-120} i=0
+md_table() {  # md_table TITLE PART < PYTHON: a section of suite.md whose table PYTHON prints from
+  # `rows`, PART.jsonl's records (json, re and sys imported)
+  local body; body=$(cat)
+  md ""; md "## $1"; md ""
+  md "$(python3 -c "import json, re, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+if not rows:
+    print('(no records: see the $2 logs in logs.tgz)')
+    sys.exit()
+$body" "$OUT/$2.jsonl" 2>&1)"
+}
+
+keep_records() {  # keep_records JSON_LOG RUN VARIANT PART: its JSON lines, tagged, into PART.jsonl
+  grep '^{' "$1" | sed "s/^{/{\"run\": $2, \"variant\": \"$3\", /" >> "$OUT/$4.jsonl"
+}
+
+recovery_model() {  # MODEL: the 1.42B reference model's flags; TINY=1: tools/bench_reshard.py --tiny's fp32 model
   source scripts/gpu/reference_model.sh
-  local model=("${REFERENCE_MODEL[@]}") steps=(60 20 45 40)  # iterations, snapshot interval, kill after iteration, once snapshot
-  if [ "$TINY" = 1 ]; then  # the tiny fp32 model of tools/bench_reshard.py --tiny
-    local -A small=([--num-layers]=4 [--hidden-size]=64 [--ffn-hidden-size]=256 [--seq-length]=32
-      [--max-position-embeddings]=32 [--num-attention-heads]=4 [--vocab-size]=1023)
-    for j in "${!model[@]}"; do
-      [ -n "${small[${model[$j]}]:-}" ] && model[j+1]=${small[${model[$j]}]}
-    done
-    local kept=(); for f in "${model[@]}"; do [ "$f" = --bf16 ] || kept+=("$f"); done; model=("${kept[@]}")
-    steps=(20 5 12 10)
-  fi
+  MODEL=("${REFERENCE_MODEL[@]}")
+  [ "$TINY" = 1 ] || return 0
+  local -A small=([--num-layers]=4 [--hidden-size]=64 [--ffn-hidden-size]=256 [--seq-length]=32
+    [--max-position-embeddings]=32 [--num-attention-heads]=4 [--vocab-size]=1023)
+  for j in "${!MODEL[@]}"; do
+    [ -n "${small[${MODEL[$j]}]:-}" ] && MODEL[j+1]=${small[${MODEL[$j]}]}
+  done
+  local kept=(); for f in "${MODEL[@]}"; do [ "$f" = --bf16 ] || kept+=("$f"); done; MODEL=("${kept[@]}")
+}
+
+part_recovery() {
+  local runs=${RECOVERY_RUNS:-"default default"} est=${RECOVERY_ESTIMATE_S:-120} i=0 MODEL
+  recovery_model
+  local model=("${MODEL[@]}") steps=(60 20 45 40)  # iterations, snapshot interval, kill after iteration, once snapshot
+  [ "$TINY" = 1 ] && steps=(20 5 12 10)
   : > "$OUT/recovery.jsonl"
   for run in $runs; do
     i=$((i + 1))
@@ -192,17 +218,11 @@ part_recovery() {
       || { echo "FAILED recovery run $i"; tail -n 5 "$log.err" "$log"; }
     echo "recovery $i $run: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
     [ $((SECONDS - t0)) -gt "$est" ] && est=$((SECONDS - t0))
-    grep '^{' "$log.json" | sed "s/^{/{\"run\": $i, \"variant\": \"$run\", /" >> "$OUT/recovery.jsonl"
+    keep_records "$log.json" "$i" "$run" recovery
     rm -rf /dev/shm/megadyn_recovery
     save_logs
   done
-  md ""; md "## recovery: kill -9 of one worker at tp2 x pp2 after iteration ${steps[2]} once snapshot ${steps[3]} is complete (snapshots every ${steps[1]} steps, restart path)"
-  md ""; md "$(python3 - "$OUT/recovery.jsonl" << 'EOF'
-import json, re, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-if not rows:
-    print("(no records: see the recovery logs in logs.tgz)")
-    sys.exit()
+  md_table "recovery: kill -9 of one worker at tp2 x pp2 after iteration ${steps[2]} once snapshot ${steps[3]} is complete (snapshots every ${steps[1]} steps, restart path)" recovery << 'EOF'
 def phases(line):
     out = {}
     m = re.search(r"failure to completed step \d+: ([0-9.]+) s", line or "")
@@ -225,7 +245,57 @@ for key in ("killed_after_iteration", "resumed_from_snapshot", "exit_code"):
 for n in names:
     print(f"| {n} | " + " | ".join(c.get(n, "-") for c in cols) + " |")
 EOF
-)"
+}
+
+# ---------------------------------------------------------------------------------------------
+part_inprocess() {
+  local runs=${INPROCESS_RUNS:-"tp2xdp2 dp3+standby"} est=${INPROCESS_ESTIMATE_S:-100} i=0 MODEL
+  local iters=${INPROCESS_ITERS:-16} kill=${INPROCESS_KILL_AFTER:-8}
+  recovery_model
+  : > "$OUT/inprocess.jsonl"
+  for run in $runs; do
+    i=$((i + 1))
+    fits "$est" "in-process recovery $run" || continue
+    local flags=() log="$LOGS/inprocess_${i}_${run/+/_}.log" t0=$SECONDS
+    # global batch 24 (not 16): a multiple of dp 3 x micro batch 2, so that 3 GPUs may run dp 3
+    case $run in
+      tp2xdp2)  # every optimizer shard held by both dp replicas: the survivors miss nothing
+        flags=("${MODEL[@]}" --tensor-model-parallel-size 2 --num-distributed-optimizer-instances 2) ;;
+      dp3+standby)  # plain data-parallel replicas (no distributed optimizer), rank 3 waiting
+        for f in "${MODEL[@]}"; do [ "$f" = --use-distributed-optimizer ] || flags+=("$f"); done
+        flags+=(--elastic-initial-members 3) ;;
+      *) md "- unknown in-process run: $run (tp2xdp2, dp3+standby)"; continue ;;
+    esac
+    # NCCL's watchdog must leave up a process whose communicators the recovery aborts; nonblocking
+    # communicators let an abort return while a collective waits on the dead rank
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_USE_COMM_NONBLOCKING=1 timeout -s INT -k 20 "$(min "${INPROCESS_TIMEOUT:-150}" "$(left)")" \
+      python3 tools/bench_recovery.py --in-process --nproc 4 --kill-after "$kill" --victim 1 \
+      --port $((29450 + i)) --log "$log" -- "${flags[@]}" --global-batch-size 24 \
+      --train-iters "$iters" --log-interval 1 \
+      --elastic-control-port $((29650 + i)) --elastic-heartbeat-timeout 30 > "$log.json" 2> "$log.err" \
+      || { echo "FAILED in-process run $i ($run)"; tail -n 5 "$log.err" "$log"; }
+    echo "inprocess $i $run: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
+    [ $((SECONDS - t0)) -gt "$est" ] && est=$((SECONDS - t0))
+    keep_records "$log.json" "$i" "$run" inprocess
+    save_logs
+  done
+  md_table "inprocess: kill -9 of rank 1 after iteration $kill of $iters, in-process recovery (python -m megadyn.launch --max-restarts 0)" inprocess << 'EOF'
+def fields(line):  # the job's " elastic: ... event: failure | key: value | ..." line
+    return {k: v.strip() for k, v in re.findall(r"(\w+): ([^|]+)", line or "")}
+cols = [fields(r.get("job_recovery_line")) for r in rows]
+print("| | " + " | ".join(f"run {r['run']}, {r['variant']}" for r in rows) + " |")
+print("|---|" + "---|" * len(rows))
+print("| **kill -> next completed step (s)** | " + " | ".join(f"**{r['kill_to_next_step_s']}**" for r in rows) + " |")
+print("| layout | " + " | ".join(f"{c.get('old', '-')} -> {c.get('new', '-')}" for c in cols) + " |")
+print("| killed after iteration | " + " | ".join(str(r.get("killed_after_iteration")) for r in rows) + " |")
+keys = ["repeated", "from", "left", "detect_s", "abort_s", "agree_s", "plan_s", "move_s",
+        "rebuild_s", "first_step_s", "total_s", "bytes_moved", "completed"]
+names = {"repeated": "steps repeated", "total_s": "total_s (failure record -> first step done)"}
+for k in keys:
+    if any(k in c for c in cols):
+        print(f"| {names.get(k, k)} | " + " | ".join(c.get(k, "-") for c in cols) + " |")
+print("| exit code | " + " | ".join(str(r.get("exit_code")) for r in rows) + " |")
+EOF
 }
 
 for p in "${PARTS[@]}"; do

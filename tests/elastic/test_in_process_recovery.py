@@ -180,11 +180,6 @@ def test_no_replica_of_an_optimizer_shard_falls_back_to_the_snapshot(tmp_path, r
     check_samples(out)
 
 
-@pytest.mark.xfail(
-    reason="known defect (issue 20): this job often ends with the lone survivor "
-    "hung or finding no clean source (exit 76)",
-    strict=False,
-)
 def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
     # rank 1 dies 0.3 s after rank 2: while the survivors handle the first failure (or just
     # after); the last process trains on alone

@@ -69,7 +69,7 @@ def test_survivors_finish_and_the_job_succeeds():
             rf"worker {rank}: the agent's store says: rank 1 .* killed by SIGKILL", out
         )
         assert f"worker {rank}: done, sum 2" in out, out
-    assert "failures survived: rank 1 (pid" in out, out
+    assert "failures survived: rank 1 (local rank 1 on " in out, out
     assert "ChildFailedError" not in out and "Root Cause" not in out, out
 
 

@@ -5,18 +5,23 @@ at that step are read from (`restrict`); where no survivor holds a piece (the di
 optimizer's shard of the dead rank, dp 1) the decision says what is missing, and the recovery
 falls back to a snapshot. A survivor's tensors are those of its step unless the step stopped
 inside the optimizer's update, or ran past the last one the device had finished when the NCCL
-communicators were aborted."""
+communicators were aborted. The survivors' waits in the store end when another failure is
+recorded (the agreement then starts over) or at their deadline."""
 
 import dataclasses
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import Report
+from megadyn.elastic.agreement import Holding, RecoveryError, Report, Round
 from megadyn.elastic.controller import distopt_of
 from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery import abort, decide, recovery_plan
+from megadyn.elastic.recovery import abort
+from megadyn.elastic.recovery_decision import decide, recovery_plan
 from megadyn.training.arguments import parse_args
 
 TINY = (
@@ -57,7 +62,7 @@ def test_a_standby_process_takes_the_dead_members_place():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
     cfg, controller, groups = setup(tp2dp2, range(4))
     seen = reports(tp2dp2, range(4), {0: 5, 2: 5, 3: 5}, standby=[4])
-    d = decide(controller, cfg.model, groups, seen, dead={1})
+    d = decide(controller, cfg.model, "gloo", seen, dead={1})
     # (members ascend within a pipeline stage, as torch numbers group ranks)
     assert Layout(**d["layout"]) == tp2dp2 and d["members"] == [0, 2, 3, 4]
     assert (d["iteration"], d["sources"], d["group_count"]) == (5, [0, 2, 3], 13)
@@ -66,7 +71,7 @@ def test_a_standby_process_takes_the_dead_members_place():
 def test_without_standby_the_survivors_take_the_layout_for_their_count():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
     cfg, controller, groups = setup(tp2dp2, range(4))
-    d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
+    d = decide(controller, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
     assert Layout(**d["layout"]).world_size == 3 and sorted(d["members"]) == [0, 1, 2]
     assert d["sources"] == [0, 1, 2]
 
@@ -76,7 +81,7 @@ def test_the_oldest_step_every_survivor_reached_and_only_its_holders():
     # rank 1 alone; then rank 1 is the only source of dp replica 0's pieces and of nothing else
     dp4 = Layout(tp=1, pp=1, dp=4)
     cfg, controller, groups = setup(dp4, range(4))
-    d = decide(controller, cfg.model, groups, reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
+    d = decide(controller, cfg.model, "gloo", reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
     assert (d["iteration"], d["sources"], d["newest"]) == (5, [1], 6)
     assert d["training"] == {"state": {"iteration": 5}}
 
@@ -84,7 +89,7 @@ def test_the_oldest_step_every_survivor_reached_and_only_its_holders():
 def test_a_dead_ranks_optimizer_shard_has_no_replica():
     dp2 = Layout(tp=1, pp=1, dp=2)
     cfg, controller, groups = setup(dp2, range(2), "--use-distributed-optimizer")
-    d = decide(controller, cfg.model, groups, reports(dp2, range(2), {0: 4}), {1})
+    d = decide(controller, cfg.model, "gloo", reports(dp2, range(2), {0: 4}), {1})
     assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
     with pytest.raises(PlanError):
         recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
@@ -94,10 +99,25 @@ def test_a_dead_ranks_optimizer_shard_has_no_replica():
     assert plan.total_bytes == 0 and {t.src for t in plan.transfers} == {0}
 
 
+def test_a_failure_before_a_recoverys_first_step_reads_what_the_survivor_kept():
+    # dp3 lost rank 2 and the survivors went to pp2 over [0, 1] (no replica of either stage);
+    # rank 1 died before step 5 ended: rank 0 still holds the whole model at step 4 under dp3
+    dp3, pp2 = Layout(tp=1, pp=1, dp=3), Layout(tp=1, pp=2, dp=1)
+    cfg, controller, _ = setup(dp3, range(3))
+    training = {"state": {"iteration": 4}}
+    now = Report(0, True, 4, training, dataclasses.asdict(pp2), [0, 1])
+    kept = Holding(4, training, dataclasses.asdict(dp3), [0, 1, 2])
+    d = decide(controller, cfg.model, "gloo", {0: dataclasses.replace(now, earlier=[kept])}, {1, 2})
+    assert (d["old_layout"], d["old_members"]) == (dataclasses.asdict(dp3), [0, 1, 2])
+    assert (d["iteration"], d["sources"], d["holding"], d["members"]) == (4, [0], {"0": 1}, [0])
+    d = decide(controller, cfg.model, "gloo", {0: now}, {1})  # without it: stage 1 is lost
+    assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
+
+
 def test_no_layout_for_the_survivors_is_an_error():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
     cfg, controller, groups = setup(tp2dp2, range(4), "--elastic-min-members", "4")
-    d = decide(controller, cfg.model, groups, reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
+    d = decide(controller, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
     assert d["error"].startswith("no layout for the survivors: 3 members is below")
 
 
@@ -124,3 +144,20 @@ def fake_trainer(iteration: int, clean: bool):
 )
 def test_the_step_a_survivors_tensors_are_at(clean, device_done, step):
     assert abort(fake_trainer(7, clean), device_done).iteration == step
+
+
+def test_waits_end_at_a_new_failure_or_their_deadline():
+    # ranks 0 and 1 survive rank 2's failure; before rank 1 arrives to connect, it dies too
+    dead = {2: 0.0}
+    feed = SimpleNamespace(dead=lambda: dict(dead))
+    rnd = Round(dist.HashStore(), set(dead))
+    threading.Timer(0.2, dead.update, ({1: 1.0},)).start()
+    t0 = time.monotonic()
+    assert rnd.arrive(0, [0, 1], feed, timeout_s=30) is False  # start over without rank 1
+    assert time.monotonic() - t0 < 5
+    rnd.store.set(f"{rnd.prefix}arrived/1", b"1")
+    assert rnd.arrive(0, [0, 1], SimpleNamespace(dead=lambda: {2: 0.0}), timeout_s=1) is True
+    with pytest.raises(RecoveryError, match="the survivors' reports did not come within 0 s"):
+        Round(dist.HashStore(), {2}).wait_reports(
+            [0, 1], feed=SimpleNamespace(dead=dict), timeout_s=0.1
+        )
