@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,12 @@ from torch import nn
 from megadyn.core.distributed.finalize_model_grads import finish_grads_within_replica
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
+
+
+class MemberList(NamedTuple):
+    """The layout's members in order (a grid's `RankGrid.members`)."""
+
+    members: tuple[int, ...]
 
 
 @dataclass
@@ -47,6 +54,9 @@ class HeteroGroups:
     reduce: dict = field(default_factory=dict)
     """Reduce part (a layer range or an embedding end's name) -> process group, for the parts
     this rank holds."""
+    members_group: object = None
+    """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
+    backend: str = ""
     _replicas: list[ParallelGroups] = field(default_factory=list)
     _owned: list = field(default_factory=list)
 
@@ -62,17 +72,80 @@ class HeteroGroups:
             for i, rep in enumerate(layout.replicas)
         ]
         out = cls(layout, rank, coords, replicas[coords.replica] if coords else None)
-        out._replicas = replicas
+        out._replicas, out.backend = replicas, backend
         for group in layout.reduce_groups():
             pg = dist.new_group(list(group.ranks), backend=backend, timeout=timeout)
             if rank in group.ranks:
                 out._owned.append(pg)
                 out.reduce[group.part] = pg
+        members = dist.new_group(list(layout.members), backend="gloo", timeout=timeout)
+        if coords is not None:
+            out.members_group = members
+            out._owned.append(members)
         return out
 
     @property
     def is_member(self) -> bool:
         return self.coords is not None
+
+    # --- the job's view: what a trainer, checkpoints and the controller read of a layout's
+    # groups (as of `ParallelGroups`); a replica is a data-parallel rank of the job
+    @property
+    def grid(self) -> MemberList:
+        return MemberList(self.layout.members)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.replica
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.layout.replicas)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.stage
+
+    @property
+    def cp_rank(self) -> int:
+        return 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def tp_group(self):
+        return self.replica.tp_group
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        return self.replica.tp_ranks
+
+    @property
+    def cp_group(self):
+        return None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.replica.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.replica.is_last_stage
+
+    @property
+    def loss_group(self):
+        """The last stages of every replica at this rank's tp rank (the final norm's reduce
+        group): where the step's losses are summed."""
+        return self.reduce["final_layernorm"]
+
+    def connect(self, device) -> None:
+        self.replica.connect(device)
 
     @property
     def stage_layers(self) -> tuple[range, ...]:
@@ -100,6 +173,7 @@ class HeteroGroups:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.reduce.clear()
+        self.members_group = None
         for replica in self._replicas:
             replica.destroy()
         self._replicas.clear()

@@ -1,0 +1,127 @@
+"""A job's layout is a grid or pipeline templates: the one place that tells them apart.
+
+    layout = pipelines_layout(model_cfg, cfg, (3, 2), members=range(5), device_type="cpu")
+    groups = build_groups(layout, members, timeout)        # ParallelGroups or HeteroGroups
+    plan = plan_layouts(model_cfg, old, old_members, new, new_members, cfg)   # the reshard
+    layout = layout_with_templates(model_cfg, cfg, n, members, device_type)   # a scale
+
+Under --heterogeneous-pipelines a layout is a `HeteroLayout` (replicas of different pipeline
+depth, megadyn/core/hetero_layout.py) or a grid (`Layout`). `pipelines_layout` makes replicas
+of given depths from the template planner's templates (layers balanced by the cost model, micro
+batches split by modelled speed); `layout_with_templates` is `--elastic-layout auto`'s choice
+for a member count: the best grid, unless templates use more members and are modelled faster
+(`grid_or_templates`). Groups, state descriptions and reshard plans are built for either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megadyn.core.groups import ParallelGroups
+from megadyn.core.hetero_groups import HeteroGroups
+from megadyn.core.hetero_layout import HeteroLayout
+from megadyn.core.layout import Layout, LayoutError
+from megadyn.elastic.description import DistOpt, describe
+from megadyn.elastic.hetero_description import describe_hetero
+from megadyn.elastic.hetero_planner import HeteroPlan, HeteroPlanner, grid_or_templates
+from megadyn.elastic.layout_planner import LayoutPlanner
+from megadyn.elastic.planner import Plan, plan_between
+from megadyn.elastic.requests import device_memory_gib, validate_for
+
+
+def build_groups(layout: Layout | HeteroLayout, members: Sequence[int], timeout=None):
+    """The process groups of `layout` (every live process calls it, members or not)."""
+    if isinstance(layout, HeteroLayout):
+        return HeteroGroups.build(layout, timeout=timeout)
+    return ParallelGroups.build(layout, members=members, timeout=timeout)
+
+
+def describe_layout_state(model_cfg, layout, members: Sequence[int], distopt: DistOpt | None):
+    """The state description of a grid or a heterogeneous layout."""
+    if isinstance(layout, HeteroLayout):
+        return describe_hetero(model_cfg, layout)
+    return describe(model_cfg, layout, members, distopt=distopt)
+
+
+def plan_layouts(model_cfg, old, old_members, new, new_members, old_distopt, new_distopt) -> Plan:
+    """The reshard plan between two layouts, either of which may be heterogeneous."""
+    return plan_between(
+        describe_layout_state(model_cfg, old, old_members, old_distopt),
+        describe_layout_state(model_cfg, new, new_members, new_distopt),
+    )
+
+
+def template_planner(model_cfg, cfg, *, device_type: str, cost=None, gpu_memory_gib=None):
+    """The template planner on the job's model, batch, micro batch and recomputation."""
+    t = cfg.training
+    planner = LayoutPlanner(
+        model_cfg,
+        global_batch_size=t.global_batch_size,
+        seq_length=cfg.data.seq_length,
+        gpu_memory_gib=gpu_memory_gib or device_memory_gib(device_type) or 1e9,
+        distributed_optimizer=False,  # not with templates yet (build.py refuses it)
+        cost=cost,
+        micro_batch_sizes=(t.micro_batch_size,),
+        recomputes=(t.recompute,),
+        cp_sizes=(1,),
+    )
+    return HeteroPlanner(planner)
+
+
+def _layout_of(plan: HeteroPlan, model_cfg, cfg, members: Sequence[int]) -> HeteroLayout:
+    validate_for(Layout(tp=plan.tp), model_cfg, cfg)  # heads, vocabulary, fp8 shapes over tp
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    return plan.layout(members, model_cfg.num_layers, tied)
+
+
+def pipelines_layout(
+    model_cfg, cfg, depths: Sequence[int], members: Sequence[int], *, device_type: str, tp=None
+) -> HeteroLayout:
+    """Replicas of `depths` stages each (tp: the job's), over `members` in order."""
+    tp = cfg.parallel.tp if tp is None else tp
+    if len(members) != tp * sum(depths):
+        raise LayoutError(
+            f"--heterogeneous-pipelines {' '.join(map(str, depths))} x "
+            f"--tensor-model-parallel-size {tp} needs {tp * sum(depths)} processes, "
+            f"got {len(members)}"
+        )
+    hetero = template_planner(model_cfg, cfg, device_type=device_type)
+    t = cfg.training
+    for s in set(depths):
+        if s > model_cfg.num_layers or not hetero.template(
+            tp, t.micro_batch_size, t.recompute, len(depths), s
+        ):
+            raise LayoutError(
+                f"--heterogeneous-pipelines: no {s}-stage template of --num-layers "
+                f"{model_cfg.num_layers} fits the memory"
+            )
+    plan = hetero.evaluate(tp, t.micro_batch_size, t.recompute, tuple(depths))
+    return _layout_of(plan, model_cfg, cfg, members)
+
+
+def layout_with_templates(
+    model_cfg, cfg, members: Sequence[int], *, device_type: str, cost=None, gpu_memory_gib=None
+) -> Layout | HeteroLayout:
+    """`--elastic-layout auto` under --heterogeneous-pipelines for `members`: the best grid
+    (over as many of them as it uses) or the templates' mix (LayoutError when none fits)."""
+    hetero = template_planner(
+        model_cfg, cfg, device_type=device_type, cost=cost, gpu_memory_gib=gpu_memory_gib
+    )
+    choice = grid_or_templates(hetero, len(members))
+    if isinstance(choice, HeteroPlan):
+        return _layout_of(choice, model_cfg, cfg, members)
+    return choice.layout.with_distopt_instances(cfg.parallel.num_distributed_optimizer_instances)
+
+
+def job_members(layout: Layout | HeteroLayout, members: Sequence[int]) -> list[int]:
+    """The members a layout is drawn over, in the layout's order."""
+    if isinstance(layout, HeteroLayout):
+        return list(layout.members)
+    return list(members)[: layout.world_size]
+
+
+def replicas_of(layout: Layout | HeteroLayout) -> dict:
+    """What `tools/elastic_ctl.py show` adds for replicas of different depth: one line each."""
+    if isinstance(layout, HeteroLayout):
+        return {"replicas": layout.describe().splitlines()}
+    return {}
