@@ -38,7 +38,9 @@ def resolve_request(
     old = groups.layout
     templates = _templates_for(request, cfg)
     if templates is not None:  # --heterogeneous-pipelines: replicas from templates, or a grid
-        return _resolve_with_templates(request, templates, model_cfg, cfg, groups, live, cost)
+        return _resolve_with_templates(
+            request, templates, model_cfg, cfg, groups, live, cost, gpu_memory_gib
+        )
     if request.action == "layout":
         tp = old.tp if request.tp is None else request.tp
         pp = old.pp if request.pp is None else request.pp
@@ -74,7 +76,9 @@ def _templates_for(request: Request, cfg):
     return "auto" if on and request.action == "scale" else None
 
 
-def _resolve_with_templates(request: Request, how: str, model_cfg, cfg, groups, live, cost):
+def _resolve_with_templates(
+    request: Request, how: str, model_cfg, cfg, groups, live, cost, gpu_memory_gib
+):
     """`resolve_request` for a layout of templates (megadyn/elastic/hetero_job.py)."""
     from megadyn.elastic import hetero_job  # it plans with this module's checks
 
@@ -95,7 +99,12 @@ def _resolve_with_templates(request: Request, how: str, model_cfg, cfg, groups, 
         )
     else:
         layout = hetero_job.layout_with_templates(
-            model_cfg, cfg, sorted(chosen), device_type=device_type, cost=cost
+            model_cfg,
+            cfg,
+            sorted(chosen),
+            device_type=device_type,
+            cost=cost,
+            gpu_memory_gib=gpu_memory_gib,
         )
         if not isinstance(layout, HeteroLayout):
             layout_members = list(canonical_members(layout, chosen[: layout.world_size]))

@@ -5,11 +5,14 @@ tools/elastic_ctl.py with every loss equal to an uninterrupted run's."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
+import importlib.util
+import io
 import threading
+import time
 from collections import Counter
 
+import pytest
 from test_live_reconfiguration import ARGS as GRID_ARGS
 from test_live_reconfiguration import merged_losses
 
@@ -19,12 +22,13 @@ STEP = 8  # --global-batch-size: samples per iteration
 ARGS = [a for a in GRID_ARGS if a != "--use-distributed-optimizer"]  # not with templates yet
 
 
-def reference_losses() -> list[float]:
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    """The uninterrupted 1-process run's losses, iterations 1-10."""
     return spawn(run_pretrain, world=1, args=(ARGS,))[0]
 
 
-def test_templates_train_as_one_process_and_resume_on_a_grid(tmp_path):
-    reference = reference_losses()
+def test_templates_train_as_one_process_and_resume_on_a_grid(tmp_path, reference):
     ckpt = str(tmp_path / "ckpt")
     hetero = ARGS + ["--heterogeneous-pipelines", "3", "2", "--exit-interval", "4"]
     hetero += ["--save", ckpt, "--save-interval", "4", "--elastic-control-port", str(free_port())]
@@ -42,41 +46,84 @@ def test_templates_train_as_one_process_and_resume_on_a_grid(tmp_path):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
-def drive(port: int, commands: list[list[str]], out: dict) -> None:
-    base = [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120"]
-    for name, cmd in commands:
-        out[name] = subprocess.run(base + cmd, capture_output=True, text=True)
+def elastic_ctl(port: int, *args: str) -> tuple[int, str]:
+    """tools/elastic_ctl.py's main in this process (no interpreter start): exit code, output."""
+    spec = importlib.util.spec_from_file_location("elastic_ctl", "tools/elastic_ctl.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(["--port", str(port), "--timeout", "120", *args])
+    return code, out.getvalue()
 
 
-def live_job(rank, world, argv, port, commands):
+def operate(port: int, out: dict) -> None:
+    """grid -> 3 + 2 stages at iteration 2; `show` once the replicas run; -> 2 + 1 stages."""
+    out["five"] = elastic_ctl(port, "layout", "--pipelines", "3", "2", "--at-iteration", "2")
+    for _ in range(200):
+        out["show"] = elastic_ctl(port, "show")
+        if "replicas" in out["show"][1]:
+            break
+        time.sleep(0.05)
+    out["three"] = elastic_ctl(port, "layout", "--pipelines", "2", "1", "--at-iteration", "6")
+
+
+def live_job(rank, world, argv, port):
     import pretrain_gpt
 
     if rank != 0:
         return pretrain_gpt.main(list(argv))
     answers: dict = {}
-    t = threading.Thread(target=drive, args=(port, commands, answers), daemon=True)
+    t = threading.Thread(target=operate, args=(port, answers), daemon=True)
     t.start()
     out = pretrain_gpt.main(list(argv))
     t.join(timeout=120)
-    out["tool"] = {k: (v.returncode, v.stdout + v.stderr) for k, v in answers.items()}
+    out["tool"] = answers
     return out
 
 
-def test_live_changes_between_a_grid_and_templates():
-    reference = reference_losses()
+def test_live_changes_between_a_grid_and_templates(reference):
+    # 4 members as dp 2 x pp 2 and a standby process -> 5 as 3 + 2 stages -> 3 as 2 + 1 stages
     port = free_port()
     argv = ARGS + ["--pipeline-model-parallel-size", "2", "--elastic-initial-members", "4"]
     argv += ["--heterogeneous-pipelines", "--elastic-control-port", str(port)]
-    commands = [
-        ("five", ["layout", "--pipelines", "3", "2", "--at-iteration", "2"]),
-        ("show", ["show"]),
-        ("three", ["scale", "3", "--at-iteration", "5"]),
-    ]
-    results = spawn(live_job, world=5, args=(argv, port, commands), timeout_s=240)
+    results = spawn(live_job, world=5, args=(argv, port), timeout_s=240)
     tool = results[0]["tool"]
     assert tool["five"][0] == 0 and '"new": "tp1x[pp3+pp2]"' in tool["five"][1], tool["five"]
-    assert tool["three"][0] == 0 and '"new": "tp1x[' in tool["three"][1], tool["three"]
     assert "replica 1: 2 stages" in tool["show"][1], tool["show"]
+    assert tool["three"][0] == 0 and '"new": "tp1x[pp2+pp1]"' in tool["three"][1], tool["three"]
     merged_losses(results, reference)
     drawn = Counter(s for r in results for s in r["samples"])
     assert sorted(drawn) == list(range(10 * STEP)) and set(drawn.values()) == {1}
+
+
+def test_a_scale_under_auto_takes_templates_where_they_use_more_members():
+    from types import SimpleNamespace
+
+    from test_templates import BIG
+
+    from megadyn.core.hetero_layout import HeteroLayout
+    from megadyn.core.layout import Layout
+    from megadyn.elastic.records import Request
+    from megadyn.elastic.requests import resolve_request
+    from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
+
+    cfg = MegadynConfig(
+        model=BIG,
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=32),
+        data=DataConfig(seq_length=2048),
+        parallel=ParallelConfig(heterogeneous_pipelines=()),
+    )
+    groups = SimpleNamespace(grid=SimpleNamespace(members=(0, 1, 2, 3)), layout=Layout(pp=4))
+    groups.backend = "gloo"
+    live = list(range(8))
+
+    def scale(n: int):
+        request = Request(action="scale", members=n)
+        return resolve_request(request, BIG, cfg, groups, live, gpu_memory_gib=80)
+
+    layout, members, _ = scale(7)  # no grid of this model and batch uses 7
+    assert isinstance(layout, HeteroLayout) and members == list(range(7)) == list(layout.members)
+    assert len({rep.num_stages for rep in layout.replicas}) > 1
+    layout, members, _ = scale(6)  # a grid uses all 6
+    assert isinstance(layout, Layout) and len(members) == layout.world_size == 6
