@@ -9,8 +9,12 @@
 #              -> dp4 -> tp2 x dp2 -> cp2 x dp2 -> tp2 x pp2, against a DCP save + load of the same state.
 #   recovery   kill -9 of one worker at tp2 x pp2 (1.42B, snapshots every 20 steps in
 #              /dev/shm), restart path through torchrun (tools/bench_recovery.py), RECOVERY_RUNS.
+#   hetero     heterogeneous pipelines, 1.42B model without the distributed optimizer
+#              (tools/bench_hetero.py): 3 GPUs as a 2-stage and a 1-stage replica against the
+#              grids for 3 GPUs (pp3; dp2, one GPU idle), tokens/s per GPU used, and a live
+#              change from tp1 x pp2 x dp2 on 4 GPUs to 2 + 1 stages on 3 (about 4 minutes).
 #   all        reference reshard recovery (more than one call's 10 minutes: BUDGET_S cuts it).
-# Parts named in TODO below (in-process recovery, heterogeneous pipelines, cp2 x dp2) wait for
+# Parts named in TODO below (in-process recovery, cp2 x dp2) wait for
 # their code: asking for one writes a line saying so. A new part is a function part_NAME that
 # appends its records to $OUT/NAME.jsonl and its table to $OUT/suite.md.
 # Usage: bash scripts/gpu/four_gpu_suite.sh OUTDIR PART...
@@ -20,7 +24,8 @@
 # end in time (each run is estimated from the last of its kind, and bounded by timeout);
 # reference: ROUNDS (2), ITERS (6), REF_ROWS (the four rows above), ROW_TIMEOUT (120),
 # REF_FRAMEWORKS ("mcore megadyn"); reshard: CHANGES ("dp4 tp2xdp2 cp2xdp2 tp2xpp2"), RESHARD_TIMEOUT
-# (300); recovery: RECOVERY_RUNS ("default default"; "no-fork-server" restarts without the fork
+# (300); hetero: HETERO_ITERS (16), HETERO_CHANGE_AT (8), HETERO_TIMEOUT (240);
+# recovery: RECOVERY_RUNS ("default default"; "no-fork-server" restarts without the fork
 # server), RECOVERY_TIMEOUT (200). TINY=1: a tiny model on any machine (a CPU smoke run of the
 # script: reshard and recovery with gloo, reference megadyn-only).
 set -uo pipefail
@@ -33,14 +38,13 @@ usage() {  # the header above; on a wrong call only its usage line
 OUT=$1; shift
 declare -A TODO=(
   [inprocess]="in-process recovery (tp2 x dp2 -> the planner's 3-GPU layout; dp3 + a standby)"
-  [hetero]="heterogeneous pipelines (a 2-stage and a 1-stage replica on 3 GPUs; 4 -> 3)"
   [cp]="the live change to cp2 x dp2 (context parallelism)"
 )
 PARTS=()
 for p in "$@"; do
   case $p in
     all) PARTS+=(reference reshard recovery) ;;
-    reference | reshard | recovery) PARTS+=("$p") ;;
+    reference | reshard | recovery | hetero) PARTS+=("$p") ;;
     -h | --help) usage 0 ;;
     *) [ -n "${TODO[$p]:-}" ] && PARTS+=("$p") || { echo "unknown part: $p" >&2; usage 2; } ;;
   esac
@@ -162,19 +166,50 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------------
-part_recovery() {
-  local runs=${RECOVERY_RUNS:-"default default"} est=${RECOVERY_ESTIMATE_S:-120} i=0
+reference_model() {  # MODEL=(the 1.42B reference flags), or TINY's small fp32 model
   source scripts/gpu/reference_model.sh
-  local model=("${REFERENCE_MODEL[@]}") steps=(60 20 45 40)  # iterations, snapshot interval, kill after iteration, once snapshot
+  MODEL=("${REFERENCE_MODEL[@]}")
   if [ "$TINY" = 1 ]; then  # the tiny fp32 model of tools/bench_reshard.py --tiny
     local -A small=([--num-layers]=4 [--hidden-size]=64 [--ffn-hidden-size]=256 [--seq-length]=32
       [--max-position-embeddings]=32 [--num-attention-heads]=4 [--vocab-size]=1023)
-    for j in "${!model[@]}"; do
-      [ -n "${small[${model[$j]}]:-}" ] && model[j+1]=${small[${model[$j]}]}
+    for j in "${!MODEL[@]}"; do
+      [ -n "${small[${MODEL[$j]}]:-}" ] && MODEL[j+1]=${small[${MODEL[$j]}]}
     done
-    local kept=(); for f in "${model[@]}"; do [ "$f" = --bf16 ] || kept+=("$f"); done; model=("${kept[@]}")
-    steps=(20 5 12 10)
+    local kept=(); for f in "${MODEL[@]}"; do [ "$f" = --bf16 ] || kept+=("$f"); done; MODEL=("${kept[@]}")
   fi
+}
+
+# ---------------------------------------------------------------------------------------------
+part_hetero() {
+  local iters=${HETERO_ITERS:-16} at=${HETERO_CHANGE_AT:-8} log="$LOGS/hetero.log" model=()
+  reference_model
+  for f in "${MODEL[@]}"; do  # templates run without the distributed optimizer (yet)
+    [ "$f" = --use-distributed-optimizer ] || model+=("$f")
+  done
+  [ "$TINY" = 1 ] && iters=8 && at=4
+  : > "$OUT/hetero.jsonl"
+  fits "${HETERO_ESTIMATE_S:-240}" "hetero (4 runs of the 1.42B model)" || return
+  local t0=$SECONDS
+  timeout "$(min "${HETERO_TIMEOUT:-240}" "$(left)")" python3 tools/bench_hetero.py \
+    --out "$LOGS/hetero" --iters "$iters" --change-at "$at" --timeout 120 \
+    "grid pp3|3|--pipeline-model-parallel-size 3" \
+    "grid dp2, 1 GPU idle|2|" \
+    "templates 2+1|3|--heterogeneous-pipelines 2 1" \
+    "tp1xpp2xdp2 -> 2+1 live|4|--pipeline-model-parallel-size 2 --heterogeneous-pipelines|2 1" \
+    -- "${model[@]}" > "$log" 2>&1 || { echo "FAILED hetero"; tail -20 "$log"; }
+  echo "hetero: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
+  grep '^{' "$log" >> "$OUT/hetero.jsonl"
+  save_logs
+  md ""; md "## hetero: replicas of different pipeline depth (tools/bench_hetero.py, $iters iterations, median after 3 warm-up; live change after iteration $at; no distributed optimizer)"
+  md ""; md "$(sed -n '/^| run /,$p' "$log")"
+}
+
+# ---------------------------------------------------------------------------------------------
+part_recovery() {
+  local runs=${RECOVERY_RUNS:-"default default"} est=${RECOVERY_ESTIMATE_S:-120} i=0
+  reference_model
+  local model=("${MODEL[@]}") steps=(60 20 45 40)  # iterations, snapshot interval, kill after iteration, once snapshot
+  [ "$TINY" = 1 ] && steps=(20 5 12 10)
   : > "$OUT/recovery.jsonl"
   for run in $runs; do
     i=$((i + 1))
