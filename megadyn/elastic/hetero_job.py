@@ -15,18 +15,24 @@ for a member count: the best grid, unless templates use more members and are mod
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import HeteroLayout
-from megadyn.core.layout import Layout, LayoutError
+from megadyn.core.layout import Layout, LayoutError, RankGrid, canonical_members
 from megadyn.elastic.description import DistOpt, describe
 from megadyn.elastic.hetero_description import describe_hetero
 from megadyn.elastic.hetero_planner import HeteroPlan, HeteroPlanner, grid_or_templates
 from megadyn.elastic.layout_planner import LayoutPlanner
 from megadyn.elastic.planner import Plan, plan_between
-from megadyn.elastic.requests import device_memory_gib, validate_for
+from megadyn.elastic.requests import (
+    check_layout,
+    device_memory_gib,
+    layout_for_remaining,
+    validate_for,
+)
 
 
 def build_groups(layout: Layout | HeteroLayout, members: Sequence[int], timeout=None):
@@ -125,3 +131,48 @@ def replicas_of(layout: Layout | HeteroLayout) -> dict:
     if isinstance(layout, HeteroLayout):
         return {"replicas": layout.describe().splitlines()}
     return {}
+
+
+def with_ranks_replaced(layout: Layout | HeteroLayout, members, fill: dict[int, int]):
+    """(layout, members) with each rank `r` of `fill` replaced by `fill[r]` (a standby process
+    takes a leaving member's place); a stage's ranks stay ascending."""
+    if isinstance(layout, HeteroLayout):
+        tp = layout.tp
+        replicas = []
+        for rep in layout.replicas:
+            ranks: list[int] = []
+            for s in range(rep.num_stages):
+                ranks += sorted(fill.get(r, r) for r in rep.stage_ranks(s, tp))
+            replicas.append(dataclasses.replace(rep, members=tuple(ranks)))
+        new = dataclasses.replace(layout, replicas=tuple(replicas))
+        return new, list(new.members)
+    return layout, list(canonical_members(layout, [fill.get(r, r) for r in members]))
+
+
+def layout_for_members(rest: Sequence[int], model_cfg, cfg, groups, cost=None):
+    """(layout, members) for the processes `rest` left after members leave (a drain, or a
+    failure no standby process covers): under --heterogeneous-pipelines with --elastic-layout
+    auto a grid or templates, else the grid for their count (LayoutError when none runs)."""
+    rest = list(rest)
+    if cfg.parallel.heterogeneous_pipelines is not None and cfg.elastic.layout == "auto":
+        if len(rest) < cfg.elastic.min_members:
+            raise LayoutError(
+                f"{len(rest)} members is below --elastic-min-members ({cfg.elastic.min_members})"
+            )
+        device_type = "cuda" if groups.backend == "nccl" else "cpu"
+        layout = layout_with_templates(model_cfg, cfg, rest, device_type=device_type, cost=cost)
+        if isinstance(layout, HeteroLayout):
+            return layout, list(layout.members)
+        check_layout(layout, model_cfg, cfg)
+    else:
+        layout = layout_for_remaining(len(rest), model_cfg, cfg, groups, cost=cost)
+    return layout, list(canonical_members(layout, rest[: layout.world_size]))
+
+
+def stage_and_tp(layout: Layout | HeteroLayout, members, rank: int) -> tuple[int, int]:
+    """The (pipeline stage, tp rank) of `rank`: where its RNG streams belong."""
+    if isinstance(layout, HeteroLayout):
+        c = layout.coords_of(rank)
+        return c.stage, c.tp
+    c = RankGrid(layout, tuple(members)).coords_of(rank)
+    return c.pp, c.tp

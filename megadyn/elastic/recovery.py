@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import json
 import time
 from dataclasses import dataclass
 from socket import gethostname
@@ -37,13 +38,21 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.core.layout import Layout, LayoutError, RankGrid, canonical_members
+from megadyn.core.hetero_groups import HeteroGroups
+from megadyn.core.hetero_layout import layout_from_dict, layout_to_dict
+from megadyn.core.layout import Layout, LayoutError
 from megadyn.elastic.agreement import FailureFeed, RecoveryError, Report, Round
-from megadyn.elastic.description import StateDescription, describe
+from megadyn.elastic.description import StateDescription
 from megadyn.elastic.events import describe_layout
 from megadyn.elastic.executor import execute_plan
+from megadyn.elastic.hetero_job import (
+    build_groups,
+    describe_layout_state,
+    layout_for_members,
+    stage_and_tp,
+    with_ranks_replaced,
+)
 from megadyn.elastic.planner import PlanError, plan_between
-from megadyn.elastic.requests import layout_for_remaining
 
 
 @dataclass
@@ -89,8 +98,8 @@ def restrict(desc: StateDescription, holders) -> StateDescription:
 def recovery_plan(model_cfg, distopt_of, old_layout, old_members, layout, members, sources):
     """The reshard plan that rebuilds `layout` over `members` from `sources` alone (PlanError
     when some piece has no holder among them)."""
-    old = describe(model_cfg, old_layout, old_members, distopt=distopt_of(old_layout))
-    new = describe(model_cfg, layout, members, distopt=distopt_of(layout))
+    old = describe_layout_state(model_cfg, old_layout, old_members, distopt_of(old_layout))
+    new = describe_layout_state(model_cfg, layout, members, distopt_of(layout))
     return plan_between(restrict(old, sources), new)
 
 
@@ -102,25 +111,23 @@ def decide(controller, model_cfg, groups, reports: dict[int, Report], dead: set[
     views = {(json_key(rep.layout), tuple(rep.members)) for rep in members.values()}
     if len(views) != 1:
         return {"error": f"the survivors disagree on the layout they trained under: {views}"}
-    old_layout, old_members = Layout(**next(iter(members.values())).layout), groups.grid.members
+    old_layout = layout_from_dict(next(iter(members.values())).layout)
+    old_members = groups.grid.members
     lost = [r for r in old_members if r in dead]
     standby = [r for r in sorted(reports) if r not in old_members]
     try:
         if len(standby) >= len(lost):  # standby processes take the dead members' places
             fill = dict(zip(lost, standby))
-            new_members = [fill.get(r, r) for r in old_members]
-            layout = old_layout
+            layout, new_members = with_ranks_replaced(old_layout, old_members, fill)
         else:  # every survivor, standby processes too, under the layout for their count
             rest = sorted([r for r in old_members if r not in dead] + standby)
-            layout = layout_for_remaining(len(rest), model_cfg, cfg, groups)
-            new_members = rest[: layout.world_size]
-        new_members = list(canonical_members(layout, new_members))
+            layout, new_members = layout_for_members(rest, model_cfg, cfg, groups)
     except LayoutError as e:
         return {"error": f"no layout for the survivors: {e}"}
     head = {
-        "layout": dataclasses.asdict(layout),
+        "layout": layout_to_dict(layout),
         "members": new_members,
-        "old_layout": dataclasses.asdict(old_layout),
+        "old_layout": layout_to_dict(old_layout),
         "old_members": list(old_members),
         "group_count": max(rep.group_count for rep in reports.values()),
         "vocab_size": model_cfg.vocab_size,
@@ -151,8 +158,8 @@ def decide(controller, model_cfg, groups, reports: dict[int, Report], dead: set[
     return {**head, "iteration": newest, "sources": [], "training": training, "missing": reason}
 
 
-def json_key(d: dict) -> tuple:
-    return tuple(sorted(d.items()))
+def json_key(d: dict) -> str:
+    return json.dumps(d, sort_keys=True)
 
 
 def it_source(members: dict[int, Report], it: int) -> int:
@@ -183,7 +190,7 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
                 report,
                 iteration=salvaged.iteration,
                 training=salvaged.training,
-                layout=dataclasses.asdict(g.layout),
+                layout=layout_to_dict(g.layout),
                 members=list(g.grid.members),
             )
             rnd.publish(f"rng/{rank}", salvaged.rng)
@@ -214,14 +221,14 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     short)."""
     rank, cfg = dist.get_rank(), controller.cfg
     timeout = cfg.parallel.distributed_timeout
-    layout, members = Layout(**decision["layout"]), list(decision["members"])
-    old_layout, old_members = Layout(**decision["old_layout"]), decision["old_members"]
+    layout, members = layout_from_dict(decision["layout"]), list(decision["members"])
+    old_layout, old_members = layout_from_dict(decision["old_layout"]), decision["old_members"]
     sources = decision["sources"]
     group_count_at_least(decision["group_count"])
     span = sorted(set(sources) | set(members))
     span_group = dist.new_group(span, timeout=timeout)  # every survivor, in one order
     created.append(span_group)
-    groups = ParallelGroups.build(layout, members, timeout=timeout)
+    groups = build_groups(layout, members, timeout=timeout)
     created.append(groups)
     model_cfg = cfg.model.with_(vocab_size=decision["vocab_size"])
     plan = None
@@ -264,10 +271,8 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
 def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, sources) -> None:
     """The RNG streams of the lowest source at this rank's (pp, tp) coordinates, if any."""
     g = trainer.groups
-    grid = RankGrid(old_layout, tuple(old_members))
     for src in sources:
-        c = grid.coords_of(src)
-        if (c.pp, c.tp) == (g.pp_rank, g.tp_rank):
+        if stage_and_tp(old_layout, old_members, src) == (g.pp_rank, g.tp_rank):
             trainer.set_rng_states(torch.load(io.BytesIO(rnd.read(f"rng/{src}"))))
             return
 
@@ -293,7 +298,7 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
             if not _more_failures(feed, rnd.dead, feed.timeout_s):
                 raise
         for made in created:  # the new layout's groups: another round builds its own
-            if isinstance(made, ParallelGroups):
+            if isinstance(made, (ParallelGroups, HeteroGroups)):
                 made.destroy()
             else:
                 dist.destroy_process_group(made)
@@ -313,8 +318,8 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     event = {
         "event": "failure",
         "iteration": resumed,
-        "old": describe_layout(Layout(**decision["old_layout"])),
-        "new": describe_layout(Layout(**decision["layout"])),
+        "old": describe_layout(layout_from_dict(decision["old_layout"])),
+        "new": describe_layout(layout_from_dict(decision["layout"])),
         "left": ",".join(map(str, lost)),
         "repeated": max(0, (decision["newest"] or 0) - (resumed or 0)),
         "from": "replicas" if plan is not None else "in-memory snapshot",

@@ -129,13 +129,15 @@ def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None)
         raise LayoutError(f"rank {rank} is not a live process of the job")
     if rank not in members:  # a standby process: it leaves the live set, the layout stays
         return groups.layout, members, [rank]
+    from megadyn.elastic.hetero_job import layout_for_members, with_ranks_replaced
+
     standby = [r for r in live if r not in members and r != rank]
     if standby:  # the first standby process takes the drained member's place
-        replaced = [standby[0] if r == rank else r for r in members]
-        return groups.layout, list(canonical_members(groups.layout, replaced)), [rank]
+        layout, new_members = with_ranks_replaced(groups.layout, members, {rank: standby[0]})
+        return layout, new_members, [rank]
     rest = [r for r in members if r != rank]
-    layout = layout_for_remaining(len(rest), model_cfg, cfg, groups, cost=cost)
-    return layout, list(canonical_members(layout, rest)), [rank]
+    layout, new_members = layout_for_members(rest, model_cfg, cfg, groups, cost=cost)
+    return layout, new_members, [rank]
 
 
 def layout_for_remaining(n: int, model_cfg, cfg, groups, cost=None) -> Layout:

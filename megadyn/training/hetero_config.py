@@ -46,7 +46,8 @@ def check_heterogeneous(cfg: MegadynConfig, world_size: int) -> Layout | HeteroL
     try:
         return first_layout(cfg, world_size, device_type="cpu")
     except LayoutError as err:
-        raise ConfigError(f"{FLAG}: {err}") from err
+        said = str(err)
+        raise ConfigError(said if said.startswith(FLAG) else f"{FLAG}: {said}") from err
 
 
 def first_layout(cfg: MegadynConfig, world_size: int, device_type: str):
