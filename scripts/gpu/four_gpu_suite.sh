@@ -186,7 +186,7 @@ part_hetero() {
   for f in "${MODEL[@]}"; do  # templates run without the distributed optimizer (yet)
     [ "$f" = --use-distributed-optimizer ] || model+=("$f")
   done
-  [ "$TINY" = 1 ] && iters=8 && at=4
+  [ "$TINY" = 1 ] && iters=8 && at=4 && model+=(--num-layers 6)  # pp3 needs layers / 3
   : > "$OUT/hetero.jsonl"
   fits "${HETERO_ESTIMATE_S:-240}" "hetero (4 runs of the 1.42B model)" || return
   local t0=$SECONDS
