@@ -53,7 +53,7 @@ class HeteroGroups:
     """This rank's pipeline as a (tp, pp, dp 1) grid; None for a non-member."""
     reduce: dict = field(default_factory=dict)
     """Reduce part (a layer range or an embedding end's name) -> process group, for the parts
-    this rank holds."""
+    this rank holds; parts held by the same ranks share one group (and one all-reduce)."""
     members_group: object = None
     """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
     backend: str = ""
@@ -73,11 +73,15 @@ class HeteroGroups:
         ]
         out = cls(layout, rank, coords, replicas[coords.replica] if coords else None)
         out._replicas, out.backend = replicas, backend
+        by_ranks: dict[tuple[int, ...], object] = {}  # parts held by the same ranks share one
         for group in layout.reduce_groups():
-            pg = dist.new_group(list(group.ranks), backend=backend, timeout=timeout)
+            if group.ranks not in by_ranks:
+                pg = dist.new_group(list(group.ranks), backend=backend, timeout=timeout)
+                by_ranks[group.ranks] = pg
+                if rank in group.ranks:
+                    out._owned.append(pg)
             if rank in group.ranks:
-                out._owned.append(pg)
-                out.reduce[group.part] = pg
+                out.reduce[group.part] = by_ranks[group.ranks]
         members = dist.new_group(list(layout.members), backend="gloo", timeout=timeout)
         if coords is not None:
             out.members_group = members
@@ -183,7 +187,8 @@ class HeteroGroups:
 def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> None:
     """Make every gradient final for the optimizer step: finish the chunks' own (dp 1)
     reductions, sum sequence-parallel grads over tp, then sum each weight's gradient over the
-    ranks holding it in every replica (one coalesced all-reduce per part)."""
+    ranks holding it in every replica (one coalesced all-reduce per group: the parts held by
+    the same ranks together)."""
     finish_grads_within_replica(chunks, hetero.replica)
     ranges = hetero.layout.layer_ranges()
     by_part: dict = {}
@@ -192,8 +197,10 @@ def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> No
             grad = param.main_grad if hasattr(param, "main_grad") else param.grad
             if param.requires_grad and grad is not None:
                 by_part.setdefault(reduce_part(name, ranges), []).append(grad)
-    for part, group in hetero.reduce.items():  # the layout's order: the same on every rank
-        grads = by_part.get(part, [])
+    by_group: dict = {}  # in the order of each group's first part: the same on its ranks
+    for part, group in hetero.reduce.items():
+        by_group.setdefault(group, []).extend(by_part.get(part, []))
+    for group, grads in by_group.items():
         if not grads or dist.get_world_size(group) == 1:
             continue
         flat = torch._utils._flatten_dense_tensors(grads)
