@@ -39,10 +39,7 @@ def heterogeneous_conflicts(cfg: MegadynConfig) -> list[str]:
 def check_heterogeneous(cfg: MegadynConfig, world_size: int) -> Layout | HeteroLayout:
     """Refuse what templates do not run with, naming both flags; the first layout."""
     for other in heterogeneous_conflicts(cfg):
-        raise ConfigError(
-            f"{FLAG} does not run with {other} yet (a distributed optimizer would shard per "
-            "layer range, validation and the rest per replica): drop one of them"
-        )
+        raise ConfigError(f"{FLAG} does not run with {other} yet: drop one of them")
     try:
         return first_layout(cfg, world_size, device_type="cpu")
     except LayoutError as err:

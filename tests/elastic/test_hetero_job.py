@@ -160,3 +160,17 @@ def test_recovery_and_drain_keep_templates():
     layout, members, left = resolve_drain(2, cfg.model, cfg, groups, [*range(6)])
     assert members == [0, 1, 5, 3, 4] and left == [2]  # stage ranks ascend: here one each
     assert layout.replicas[0].members == (0, 1, 5)
+
+
+def test_what_templates_do_not_run_with_is_refused_naming_both_flags():
+    from test_recovery_decision import TINY
+
+    from megadyn.training.arguments import parse_args
+    from megadyn.training.config import ConfigError
+
+    hetero = TINY + ["--heterogeneous-pipelines", "2", "1"]
+    with pytest.raises(ConfigError, match="--heterogeneous-pipelines .*--use-distributed-opt"):
+        parse_args(hetero + ["--use-distributed-optimizer"], world_size=3)
+    with pytest.raises(ConfigError, match="--heterogeneous-pipelines 2 1 .* needs 3 processes"):
+        parse_args(hetero, world_size=4)
+    assert parse_args(hetero, world_size=3).parallel.heterogeneous_pipelines == (2, 1)
