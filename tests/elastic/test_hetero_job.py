@@ -1,6 +1,6 @@
 """--heterogeneous-pipelines end to end (gloo, fp32): a job that starts as a 3-stage and a
-2-stage replica trains as one process does, reads every sample once and saves a checkpoint that
-resumes on a grid; a live job moves from a grid to templates and back through
+2-stage replica trains as one process does, reads every sample once, and its in-memory snapshot
+and its checkpoint resume on grids (dp 2, pp 2); a live job moves from a grid to templates and back through
 tools/elastic_ctl.py with every loss equal to an uninterrupted run's."""
 
 from __future__ import annotations
@@ -29,15 +29,21 @@ def reference() -> list[float]:
     return spawn(run_pretrain, world=1, args=(ARGS,))[0]
 
 
-def test_templates_train_as_one_process_and_resume_on_a_grid(tmp_path, reference):
+def test_templates_train_as_one_process_and_resume_on_grids(tmp_path, reference):
     ckpt = str(tmp_path / "ckpt")
     hetero = ARGS + ["--heterogeneous-pipelines", "3", "2", "--exit-interval", "4"]
     hetero += ["--save", ckpt, "--save-interval", "4", "--elastic-control-port", str(free_port())]
+    hetero += ["--elastic-snapshot-interval", "2", "--elastic-snapshot-dir", str(tmp_path / "snap")]
+    # (its snapshot of iteration 2 completes while it trains; it resumes dp 2 below)
     results = spawn(run_pretrain, world=5, args=(hetero,), timeout_s=180)
     losses = merged_losses(results, reference[:4])  # the logging rank's, iterations 1-4
     assert sorted(losses) == [1, 2, 3, 4]
     drawn = Counter(s for r in results for s in r["samples"])
     assert sorted(drawn) == list(range(4 * STEP)) and set(drawn.values()) == {1}
+    snap = ["--elastic-snapshot-interval", "2", "--elastic-snapshot-dir", str(tmp_path / "snap")]
+    from_snapshot = spawn(run_pretrain, world=2, args=(ARGS + snap,))[1]  # dp 2, from iteration 2
+    for want, got in zip(reference[2:], from_snapshot, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     resumed = spawn(
         run_pretrain,
         world=2,
