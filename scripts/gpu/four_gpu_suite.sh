@@ -192,10 +192,10 @@ part_hetero() {
   local t0=$SECONDS
   timeout "$(min "${HETERO_TIMEOUT:-240}" "$(left)")" python3 tools/bench_hetero.py \
     --out "$LOGS/hetero" --iters "$iters" --change-at "$at" --timeout 120 \
-    "grid pp3|3|--pipeline-model-parallel-size 3" \
-    "grid dp2, 1 GPU idle|2|" \
     "templates 2+1|3|--heterogeneous-pipelines 2 1" \
+    "grid pp3|3|--pipeline-model-parallel-size 3" \
     "tp1xpp2xdp2 -> 2+1 live|4|--pipeline-model-parallel-size 2 --heterogeneous-pipelines|2 1" \
+    "grid dp2, 1 GPU idle|2|" \
     -- "${model[@]}" > "$log" 2>&1 || { echo "FAILED hetero"; tail -20 "$log"; }
   echo "hetero: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
   grep '^{' "$log" >> "$OUT/hetero.jsonl"
