@@ -3,6 +3,7 @@
     python tools/elastic_ctl.py --host HOST --port PORT show
     python tools/elastic_ctl.py --port PORT layout --tp 1 --pp 2 [--vpp 2] [--sp] [--cp 2]
                                 [--members 4]
+    python tools/elastic_ctl.py --port PORT layout --pipelines 3 2     # --heterogeneous-pipelines
     python tools/elastic_ctl.py --port PORT scale 2 [--release]     # release: those processes exit
     python tools/elastic_ctl.py --port PORT scale 4                 # standby processes join
     python tools/elastic_ctl.py --port PORT drain 3                 # rank 3 leaves, exits 0
@@ -35,10 +36,17 @@ def main(argv=None) -> int:
         help="seconds to wait for the job's control store and then for the answer",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("show", help="print the job's layout, members and iteration")
+    sub.add_parser("show", help="print the job's layout (its replicas), members and iteration")
     lay = sub.add_parser("layout", help="change the layout")
-    lay.add_argument("--tp", type=int, required=True)
-    lay.add_argument("--pp", type=int, required=True)
+    lay.add_argument("--tp", type=int)
+    lay.add_argument("--pp", type=int)
+    lay.add_argument(
+        "--pipelines",
+        type=int,
+        nargs="+",
+        metavar="STAGES",
+        help="replicas of these stage counts (--heterogeneous-pipelines), instead of --pp",
+    )
     lay.add_argument("--vpp", type=int, default=1)
     lay.add_argument("--sp", action="store_true", help="sequence parallel")
     lay.add_argument("--cp", type=int, default=1, help="context-parallel size")
@@ -76,7 +84,11 @@ def request_of(a: argparse.Namespace) -> Request:
     """The request the command line asks for (RequestError: refused before it is sent)."""
     if a.command == "drain":
         return Request(action="drain", rank=a.rank)
-    if a.command == "layout":
+    if a.command == "layout" and a.pipelines:
+        fields = dict(tp=a.tp, pipelines=tuple(a.pipelines), vpp=a.vpp, sp=a.sp)
+    elif a.command == "layout":
+        if a.tp is None or a.pp is None:
+            raise RequestError("a layout takes --tp and --pp (or --pipelines)")
         fields = dict(tp=a.tp, pp=a.pp, cp=a.cp, vpp=a.vpp, sp=a.sp, members=a.members)
     else:
         fields = dict(members=a.members, release=a.release)

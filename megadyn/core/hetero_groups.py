@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,12 @@ from torch import nn
 from megadyn.core.distributed.finalize_model_grads import finish_grads_within_replica
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
+
+
+class MemberList(NamedTuple):
+    """The layout's members in order (a grid's `RankGrid.members`)."""
+
+    members: tuple[int, ...]
 
 
 @dataclass
@@ -46,7 +53,10 @@ class HeteroGroups:
     """This rank's pipeline as a (tp, pp, dp 1) grid; None for a non-member."""
     reduce: dict = field(default_factory=dict)
     """Reduce part (a layer range or an embedding end's name) -> process group, for the parts
-    this rank holds."""
+    this rank holds; parts held by the same ranks share one group (and one all-reduce)."""
+    members_group: object = None
+    """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
+    backend: str = ""
     _replicas: list[ParallelGroups] = field(default_factory=list)
     _owned: list = field(default_factory=list)
 
@@ -62,17 +72,84 @@ class HeteroGroups:
             for i, rep in enumerate(layout.replicas)
         ]
         out = cls(layout, rank, coords, replicas[coords.replica] if coords else None)
-        out._replicas = replicas
+        out._replicas, out.backend = replicas, backend
+        by_ranks: dict[tuple[int, ...], object] = {}  # parts held by the same ranks share one
         for group in layout.reduce_groups():
-            pg = dist.new_group(list(group.ranks), backend=backend, timeout=timeout)
+            if group.ranks not in by_ranks:
+                pg = dist.new_group(list(group.ranks), backend=backend, timeout=timeout)
+                by_ranks[group.ranks] = pg
+                if rank in group.ranks:
+                    out._owned.append(pg)
             if rank in group.ranks:
-                out._owned.append(pg)
-                out.reduce[group.part] = pg
+                out.reduce[group.part] = by_ranks[group.ranks]
+        members = dist.new_group(list(layout.members), backend="gloo", timeout=timeout)
+        if coords is not None:
+            out.members_group = members
+            out._owned.append(members)
         return out
 
     @property
     def is_member(self) -> bool:
         return self.coords is not None
+
+    # --- the job's view: what a trainer, checkpoints and the controller read of a layout's
+    # groups (as of `ParallelGroups`); a replica is a data-parallel rank of the job
+    @property
+    def grid(self) -> MemberList:
+        return MemberList(self.layout.members)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.replica
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.layout.replicas)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.stage
+
+    @property
+    def cp_rank(self) -> int:
+        return 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def tp_group(self):
+        return self.replica.tp_group
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        return self.replica.tp_ranks
+
+    @property
+    def cp_group(self):
+        return None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.replica.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.replica.is_last_stage
+
+    @property
+    def loss_group(self):
+        """The last stages of every replica at this rank's tp rank (the final norm's reduce
+        group): where the step's losses are summed."""
+        return self.reduce["final_layernorm"]
+
+    def connect(self, device) -> None:
+        self.replica.connect(device)
 
     @property
     def stage_layers(self) -> tuple[range, ...]:
@@ -95,11 +172,18 @@ class HeteroGroups:
         replica's count, times this, are each micro batch's share of the step's mean."""
         return self.micro_batches / self.layout.num_microbatches
 
+    def set_timeout(self, timeout) -> None:
+        """Bound every later collective on these groups by `timeout` (see
+        ParallelGroups.set_timeout)."""
+        for group in self._owned:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
     def destroy(self) -> None:
         for group in reversed(self._owned):
             dist.destroy_process_group(group)
         self._owned.clear()
         self.reduce.clear()
+        self.members_group = None
         for replica in self._replicas:
             replica.destroy()
         self._replicas.clear()
@@ -109,7 +193,8 @@ class HeteroGroups:
 def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> None:
     """Make every gradient final for the optimizer step: finish the chunks' own (dp 1)
     reductions, sum sequence-parallel grads over tp, then sum each weight's gradient over the
-    ranks holding it in every replica (one coalesced all-reduce per part)."""
+    ranks holding it in every replica (one coalesced all-reduce per group: the parts held by
+    the same ranks together)."""
     finish_grads_within_replica(chunks, hetero.replica)
     ranges = hetero.layout.layer_ranges()
     by_part: dict = {}
@@ -118,8 +203,10 @@ def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> No
             grad = param.main_grad if hasattr(param, "main_grad") else param.grad
             if param.requires_grad and grad is not None:
                 by_part.setdefault(reduce_part(name, ranges), []).append(grad)
-    for part, group in hetero.reduce.items():  # the layout's order: the same on every rank
-        grads = by_part.get(part, [])
+    by_group: dict = {}  # in the order of each group's first part: the same on its ranks
+    for part, group in hetero.reduce.items():
+        by_group.setdefault(group, []).extend(by_part.get(part, []))
+    for group, grads in by_group.items():
         if not grads or dist.get_world_size(group) == 1:
             continue
         flat = torch._utils._flatten_dense_tensors(grads)

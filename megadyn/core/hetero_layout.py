@@ -23,6 +23,7 @@ Nothing here touches torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -208,6 +209,56 @@ class HeteroLayout:
         )
         return HeteroLayout(layout.tp, num_layers, replicas, tied)
 
+    @property
+    def pp(self) -> int:
+        """Stages of the first replica (the deepest of a planner's mix): the pipeline ranks
+        whose RNG streams a reconfiguration hands over (megadyn/elastic/rng_handover.py)."""
+        return self.replicas[0].num_stages
+
+    @property
+    def cp(self) -> int:
+        """Context parallelism does not run with templates: always 1."""
+        return 1
+
+    @property
+    def dp(self) -> int:
+        """Replicas: each holds the whole model, as a grid's data-parallel ranks do."""
+        return len(self.replicas)
+
+    @property
+    def name(self) -> str:
+        """e.g. 'tp1x[pp3+pp2]' (the reconfiguration events' form of a layout)."""
+        return f"tp{self.tp}x[" + "+".join(f"pp{r.num_stages}" for r in self.replicas) + "]"
+
+    def to_dict(self) -> dict:
+        """The JSON form (records through the control store, checkpoint metadata)."""
+        return {
+            "heterogeneous": True,
+            "tp": self.tp,
+            "num_layers": self.num_layers,
+            "tied_embeddings": self.tied_embeddings,
+            "replicas": [
+                {
+                    "stages": [[r.start, r.stop] for r in rep.stage_layers],
+                    "members": list(rep.members),
+                    "micro_batches": rep.micro_batches,
+                }
+                for rep in self.replicas
+            ],
+        }
+
+    @staticmethod
+    def from_dict(fields: dict) -> HeteroLayout:
+        replicas = tuple(
+            Replica(
+                tuple(range(a, b) for a, b in rep["stages"]),
+                tuple(rep["members"]),
+                rep["micro_batches"],
+            )
+            for rep in fields["replicas"]
+        )
+        return HeteroLayout(fields["tp"], fields["num_layers"], replicas, fields["tied_embeddings"])
+
     def describe(self) -> str:
         """One line per replica, e.g. 'replica 0: 3 stages, layers 0-2 | 3-5 | 6-7, ranks
         [0, 1, 2], 5 micro batches'."""
@@ -219,3 +270,16 @@ class HeteroLayout:
                 f"{list(rep.members)}, {rep.micro_batches} micro batches"
             )
         return "\n".join(lines)
+
+
+def layout_to_dict(layout: Layout | HeteroLayout) -> dict:
+    """The JSON form of a grid or a heterogeneous layout (`layout_from_dict` reads it)."""
+    if isinstance(layout, HeteroLayout):
+        return layout.to_dict()
+    return dataclasses.asdict(layout)
+
+
+def layout_from_dict(fields: dict) -> Layout | HeteroLayout:
+    if fields.get("heterogeneous"):
+        return HeteroLayout.from_dict(fields)
+    return Layout(**fields)

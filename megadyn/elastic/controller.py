@@ -14,7 +14,6 @@ to process, without a disk checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -23,6 +22,8 @@ import torch.distributed as dist
 
 from megadyn.core.distributed import default_bucket_size
 from megadyn.core.groups import ParallelGroups
+from megadyn.core.hetero_groups import HeteroGroups
+from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, poll
 from megadyn.elastic.control import NONE, ControlChannel
@@ -30,8 +31,9 @@ from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
 from megadyn.elastic.events import format_event, membership_event, reconfiguration_event
 from megadyn.elastic.executor import execute_plan
+from megadyn.elastic.hetero_job import build_groups, plan_layouts, replicas_of
 from megadyn.elastic.layout_planner import CostModel
-from megadyn.elastic.planner import Plan, plan_reshard
+from megadyn.elastic.planner import Plan
 from megadyn.elastic.protocol import ReshardableTrainer
 from megadyn.elastic.records import (
     Finish,
@@ -58,7 +60,7 @@ class _Change:
     """What PLAN hands to RESHARD and REBUILD."""
 
     rec: Reconfiguration
-    groups: ParallelGroups  # the new layout's (every live process builds them)
+    groups: ParallelGroups | HeteroGroups  # the new layout's (every live process builds them)
     span: list[int]  # old and new members: the processes that take part in the reshard
     span_group: object | None  # their process group, None when it is the whole world
     plan: Plan
@@ -117,10 +119,11 @@ class ElasticController:
             self.channel.publish_state(
                 {
                     "iteration": it,
-                    "layout": dataclasses.asdict(groups.layout),
+                    "layout": layout_to_dict(groups.layout),
                     "members": list(groups.grid.members),
                     "live": self.live,
                     "epoch": self.epoch,
+                    **replicas_of(groups.layout),
                 }
             )
             self.channel.decide(it, self._leader_decision(trainer))
@@ -247,7 +250,7 @@ class ElasticController:
 
     def _calibrate(self, trainer: ReshardableTrainer) -> None:
         """Calibrate the layout planner's cost model on this layout's measured step time."""
-        if trainer.step_seconds:
+        if trainer.step_seconds and isinstance(trainer.groups.layout, Layout):  # a grid's time
             t = self.cfg.training
             self.cost.calibrate(
                 trainer.model_cfg,
@@ -304,15 +307,15 @@ class ElasticController:
         whole_world = span == list(range(dist.get_world_size()))
         timeout = self.cfg.parallel.distributed_timeout
         span_group = None if whole_world else dist.new_group(span, timeout=timeout)
-        groups = ParallelGroups.build(rec.layout, rec.members, timeout=timeout)
-        plan = plan_reshard(
+        groups = build_groups(rec.layout, rec.members, timeout=timeout)
+        plan = plan_layouts(
             self.cfg.model.with_(vocab_size=rec.vocab_size),
             rec.old_layout,
             rec.old_members,
             rec.layout,
             rec.members,
-            old_distopt=distopt_of(self.cfg, rec.old_layout),
-            new_distopt=distopt_of(self.cfg, rec.layout),
+            distopt_of(self.cfg, rec.old_layout),
+            distopt_of(self.cfg, rec.layout),
         )
         return _Change(rec, groups, span, span_group, plan)
 

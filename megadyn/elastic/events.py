@@ -11,6 +11,7 @@ phases' seconds (plan_s, reshard_s, rebuild_s, total_s) and the plan's bytes.
 
 from __future__ import annotations
 
+from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout
 from megadyn.elastic.planner import Plan
 from megadyn.elastic.records import Reconfiguration
@@ -56,9 +57,11 @@ def format_event(event: dict) -> str:
     return " elastic: " + " | ".join(f"{k}: {v}" for k, v in event.items())
 
 
-def describe_layout(layout: Layout) -> str:
+def describe_layout(layout: Layout | HeteroLayout) -> str:
     """tp2xpp2xdp1, with xcp2, xvpp2, +sp and +2opt (distributed-optimizer instances) when
-    they apply."""
+    they apply; tp1x[pp3+pp2] for replicas of different depth."""
+    if isinstance(layout, HeteroLayout):
+        return layout.name
     cp = f"xcp{layout.cp}" if layout.cp > 1 else ""
     s = f"tp{layout.tp}{cp}xpp{layout.pp}xdp{layout.dp}"
     if layout.vpp > 1:

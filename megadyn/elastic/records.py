@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megadyn.core.hetero_layout import HeteroLayout, layout_from_dict, layout_to_dict
 from megadyn.core.layout import Layout
 
 if TYPE_CHECKING:
@@ -74,6 +75,9 @@ class Request:
     """Applied at the first step boundary at or after this iteration."""
     rank: int | None = None
     """The process that leaves the job (a drain; it exits 0)."""
+    pipelines: tuple[int, ...] | None = None
+    """Stages of each replica of a heterogeneous layout (--heterogeneous-pipelines), e.g.
+    (3, 2); tp as given or as now; members follow."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -103,6 +107,14 @@ class Request:
                     f"a drain request takes no {', '.join(given)} (the drained rank exits at the "
                     "next step boundary)"
                 )
+        if self.pipelines is not None:
+            if self.action != "layout" or any(type(s) is not int or s < 1 for s in self.pipelines):
+                raise RequestError(
+                    f"pipelines must be stage counts >= 1 of a layout request, got "
+                    f"{self.pipelines!r}"
+                )
+            if any(getattr(self, n) is not None for n in ("pp", "cp", "members", "dp")):
+                raise RequestError("pipelines replace pp, cp, members and dp: give only tp")
         if self.members is not None and self.dp is not None:
             raise RequestError("give members or dp, not both")
         if self.action == "scale":
@@ -125,6 +137,8 @@ class Request:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise RequestError(f"unknown request field(s) {', '.join(map(repr, unknown))}")
+        if isinstance(fields.get("pipelines"), list):
+            fields = {**fields, "pipelines": tuple(fields["pipelines"])}
         return cls(**fields)
 
     @classmethod
@@ -143,11 +157,11 @@ class Reconfiguration:
     """The operator request it answers (None: not asked for through the control store)."""
     event: str = "layout"
     """What asked for it: the request's action."""
-    layout: Layout
+    layout: Layout | HeteroLayout
     members: tuple[int, ...]
     release: tuple[int, ...] = ()
     """Processes that leave the job (they exit) rather than wait as standby."""
-    old_layout: Layout
+    old_layout: Layout | HeteroLayout
     old_members: tuple[int, ...]
     training: dict
     """The JSON of the trainer's TrainingState (progress, schedule, optimizer step, scaler)."""
@@ -161,8 +175,8 @@ class Reconfiguration:
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["layout"] = dataclasses.asdict(self.layout)
-        fields["old_layout"] = dataclasses.asdict(self.old_layout)
+        fields["layout"] = layout_to_dict(self.layout)
+        fields["old_layout"] = layout_to_dict(self.old_layout)
         return json.dumps(fields)
 
     @classmethod
@@ -170,8 +184,8 @@ class Reconfiguration:
         return cls(
             **{
                 **fields,
-                "layout": Layout(**fields["layout"]),
-                "old_layout": Layout(**fields["old_layout"]),
+                "layout": layout_from_dict(fields["layout"]),
+                "old_layout": layout_from_dict(fields["old_layout"]),
                 "members": tuple(fields["members"]),
                 "release": tuple(fields["release"]),
                 "old_members": tuple(fields["old_members"]),

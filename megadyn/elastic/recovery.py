@@ -48,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.core.layout import Layout, RankGrid
+from megadyn.core.hetero_groups import HeteroGroups
+from megadyn.core.hetero_layout import layout_from_dict, layout_to_dict
+from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import (
     FailureFeed,
     Holding,
@@ -59,6 +61,7 @@ from megadyn.elastic.agreement import (
 )
 from megadyn.elastic.events import describe_layout
 from megadyn.elastic.executor import execute_plan
+from megadyn.elastic.hetero_job import build_groups, stage_and_tp
 from megadyn.elastic.planner import PlanError
 from megadyn.elastic.recovery_decision import decide, recovery_plan
 
@@ -155,13 +158,13 @@ def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
         report,
         iteration=salvaged.iteration,
         training=salvaged.training,
-        layout=dataclasses.asdict(salvaged.groups.layout),
+        layout=layout_to_dict(salvaged.groups.layout),
         members=list(salvaged.groups.grid.members),
         earlier=[
             Holding(
                 h.iteration,
                 h.training,
-                dataclasses.asdict(h.groups.layout),
+                layout_to_dict(h.groups.layout),
                 list(h.groups.grid.members),
             )
             for h in salvaged.earlier
@@ -179,8 +182,8 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     short: then a RuntimeError)."""
     rank, cfg = dist.get_rank(), controller.cfg
     timeout = cfg.parallel.distributed_timeout
-    layout, members = Layout(**decision["layout"]), list(decision["members"])
-    old_layout, old_members = Layout(**decision["old_layout"]), decision["old_members"]
+    layout, members = layout_from_dict(decision["layout"]), list(decision["members"])
+    old_layout, old_members = layout_from_dict(decision["old_layout"]), decision["old_members"]
     sources = decision["sources"]
     group_count_at_least(decision["group_count"])
     span = sorted(set(sources) | set(members))
@@ -191,7 +194,7 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     connect = min(timedelta(seconds=feed.timeout_s), timeout)
     span_group = dist.new_group(span, timeout=connect)  # every survivor, in one order
     created.append(span_group)
-    groups = ParallelGroups.build(layout, members, timeout=connect)
+    groups = build_groups(layout, members, timeout=connect)
     created.append(groups)
     groups.set_timeout(timeout)
     model_cfg = cfg.model.with_(vocab_size=decision["vocab_size"])
@@ -237,10 +240,8 @@ def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding: 
     """The RNG streams of the lowest source at this rank's (pp, tp) coordinates, if any, from
     the holding it is read from (`holding`: source -> its index)."""
     g = trainer.groups
-    grid = RankGrid(old_layout, tuple(old_members))
     for src in sorted(holding, key=int):
-        c = grid.coords_of(int(src))
-        if (c.pp, c.tp) == (g.pp_rank, g.tp_rank):
+        if stage_and_tp(old_layout, old_members, int(src)) == (g.pp_rank, g.tp_rank):
             states = rnd.read(f"rng/{src}/{holding[src]}")
             trainer.set_rng_states(torch.load(io.BytesIO(states)))
             return
@@ -270,7 +271,7 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
             if not more_failures(feed, rnd.dead, feed.timeout_s):
                 raise
         for made in created:  # the new layout's groups: another round builds its own
-            if isinstance(made, ParallelGroups):
+            if isinstance(made, (ParallelGroups, HeteroGroups)):
                 made.destroy()
             else:
                 dist.destroy_process_group(made)
@@ -291,8 +292,8 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     event = {
         "event": "failure",
         "iteration": resumed,
-        "old": describe_layout(Layout(**decision["old_layout"])),
-        "new": describe_layout(Layout(**decision["layout"])),
+        "old": describe_layout(layout_from_dict(decision["old_layout"])),
+        "new": describe_layout(layout_from_dict(decision["layout"])),
         "left": ",".join(map(str, lost)),
         "repeated": max(0, (decision["newest"] or 0) - (resumed or 0)),
         "from": "replicas" if plan is not None else "in-memory snapshot",

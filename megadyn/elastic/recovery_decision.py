@@ -17,17 +17,19 @@ global batch.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from types import SimpleNamespace
 
-from megadyn.core.layout import Layout, LayoutError
+from megadyn.core.hetero_layout import layout_from_dict, layout_to_dict
+from megadyn.core.layout import LayoutError
 from megadyn.elastic.agreement import Report
-from megadyn.elastic.description import StateDescription, describe
+from megadyn.elastic.description import StateDescription
+from megadyn.elastic.hetero_job import describe_layout_state
 from megadyn.elastic.planner import PlanError, plan_between
 from megadyn.elastic.requests import replace_or_shrink
 
-View = tuple[tuple, tuple[int, ...]]
-"""(the layout's sorted items, its members): what one holding is laid out as."""
+View = tuple[str, tuple[int, ...]]
+"""(the layout as sorted JSON, its members): what one holding is laid out as."""
 
 
 def restrict(desc: StateDescription, holders) -> StateDescription:
@@ -39,8 +41,8 @@ def restrict(desc: StateDescription, holders) -> StateDescription:
 def recovery_plan(model_cfg, distopt_of, old_layout, old_members, layout, members, sources):
     """The reshard plan that rebuilds `layout` over `members` from `sources` alone (PlanError
     when some piece has no holder among them)."""
-    old = describe(model_cfg, old_layout, old_members, distopt=distopt_of(old_layout))
-    new = describe(model_cfg, layout, members, distopt=distopt_of(layout))
+    old = describe_layout_state(model_cfg, old_layout, old_members, distopt_of(old_layout))
+    new = describe_layout_state(model_cfg, layout, members, distopt_of(layout))
     return plan_between(restrict(old, sources), new)
 
 
@@ -55,7 +57,7 @@ def holdings(report: Report) -> dict[View, tuple[int, int, dict]]:
 
 
 def view_of(layout: dict, members) -> View:
-    return tuple(sorted(layout.items())), tuple(members)
+    return json.dumps(layout, sort_keys=True), tuple(members)
 
 
 def decide(controller, model_cfg, backend: str, reports: dict[int, Report], dead) -> dict:
@@ -80,7 +82,7 @@ def decide(controller, model_cfg, backend: str, reports: dict[int, Report], dead
 
 def _decide_in_view(controller, model_cfg, backend, reports, dead, view: View, holders) -> dict:
     """The decision when the survivors rebuild from their holdings of `view`."""
-    old_layout, old_members = Layout(**dict(view[0])), list(view[1])
+    old_layout, old_members = layout_from_dict(json.loads(view[0])), list(view[1])
     waiting = [r for r in sorted(reports) if r not in old_members]
     old = SimpleNamespace(layout=old_layout, backend=backend)
     try:
@@ -90,9 +92,9 @@ def _decide_in_view(controller, model_cfg, backend, reports, dead, view: View, h
     except LayoutError as e:
         return {"error": f"no layout for the survivors: {e}"}
     head = {
-        "layout": dataclasses.asdict(layout),
+        "layout": layout_to_dict(layout),
         "members": new_members,
-        "old_layout": dataclasses.asdict(old_layout),
+        "old_layout": layout_to_dict(old_layout),
         "old_members": old_members,
         "group_count": max(rep.group_count for rep in reports.values()),
         "vocab_size": model_cfg.vocab_size,

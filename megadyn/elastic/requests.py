@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError, canonical_members
 from megadyn.core.tensor_parallel.fp8 import check_fp8_shapes
 from megadyn.core.tensor_parallel.layers import vocab_range
@@ -36,6 +37,11 @@ def resolve_request(
     members = list(groups.grid.members)
     standby = [r for r in live if r not in members]
     old = groups.layout
+    templates = _templates_for(request, cfg)
+    if templates is not None:  # --heterogeneous-pipelines: replicas from templates, or a grid
+        return _resolve_with_templates(
+            request, templates, model_cfg, cfg, groups, live, cost, gpu_memory_gib
+        )
     if request.action == "layout":
         tp = old.tp if request.tp is None else request.tp
         pp = old.pp if request.pp is None else request.pp
@@ -56,6 +62,57 @@ def resolve_request(
     new_members = members[:n] if n <= len(members) else members + standby[: n - len(members)]
     new_members = list(canonical_members(layout, new_members))
     check_layout(layout, model_cfg, cfg)
+    released = [r for r in members if r not in new_members] if request.release else []
+    return layout, new_members, released
+
+
+def _templates_for(request: Request, cfg):
+    """How a request under --heterogeneous-pipelines is planned: 'pipelines' (the request
+    names replica depths), 'auto' (a scale under --elastic-layout auto), else None (a grid)."""
+    if request.pipelines is not None:
+        if cfg.parallel.heterogeneous_pipelines is None:
+            raise LayoutError("replicas of different depth need --heterogeneous-pipelines")
+        return "pipelines"
+    on = cfg.parallel.heterogeneous_pipelines is not None and cfg.elastic.layout == "auto"
+    return "auto" if on and request.action == "scale" else None
+
+
+def _resolve_with_templates(
+    request: Request, how: str, model_cfg, cfg, groups, live, cost, gpu_memory_gib
+):
+    """`resolve_request` for a layout of templates (megadyn/elastic/hetero_job.py)."""
+    from megadyn.elastic import hetero_job  # it plans with this module's checks
+
+    members = list(groups.grid.members)
+    standby = [r for r in live if r not in members]
+    tp = groups.layout.tp if request.tp is None else request.tp
+    n = tp * sum(request.pipelines) if how == "pipelines" else request.members
+    _check_min_members(n, cfg)
+    if n > len(members) + len(standby):
+        raise LayoutError(
+            f"{n} members requested but only {len(members) + len(standby)} processes are live"
+        )
+    chosen = members[:n] if n <= len(members) else members + standby[: n - len(members)]
+    device_type = "cuda" if groups.backend == "nccl" else "cpu"
+    if how == "pipelines":
+        layout = hetero_job.pipelines_layout(
+            model_cfg, cfg, request.pipelines, sorted(chosen), device_type=device_type, tp=tp
+        )
+    else:
+        layout = hetero_job.layout_with_templates(
+            model_cfg,
+            cfg,
+            sorted(chosen),
+            device_type=device_type,
+            cost=cost,
+            gpu_memory_gib=gpu_memory_gib,
+        )
+        if not isinstance(layout, HeteroLayout):
+            layout_members = list(canonical_members(layout, chosen[: layout.world_size]))
+            check_layout(layout, model_cfg, cfg)
+            released = [r for r in members if r not in layout_members] if request.release else []
+            return layout, layout_members, released
+    new_members = list(layout.members)
     released = [r for r in members if r not in new_members] if request.release else []
     return layout, new_members, released
 
@@ -84,16 +141,14 @@ def replace_or_shrink(old, members, leaving, waiting, model_cfg, cfg, cost=None)
     there are enough of them; else every process left, waiting ones too, runs under the layout
     for their count (`old`: the old groups, or anything with their `layout` and `backend`).
     LayoutError when no layout runs the job."""
+    from megadyn.elastic.hetero_job import layout_for_members, with_ranks_replaced
+
     gone = set(leaving)
     lost = [r for r in members if r in gone]
     if len(waiting) >= len(lost):
-        fill = dict(zip(lost, waiting))
-        layout, new_members = old.layout, [fill.get(r, r) for r in members]
-    else:
-        rest = [r for r in members if r not in gone] + list(waiting)
-        layout = layout_for_remaining(len(rest), model_cfg, cfg, old, cost=cost)
-        new_members = rest[: layout.world_size]
-    return layout, list(canonical_members(layout, new_members))
+        return with_ranks_replaced(old.layout, members, dict(zip(lost, waiting)))
+    rest = [r for r in members if r not in gone] + list(waiting)
+    return layout_for_members(rest, model_cfg, cfg, old, cost=cost)
 
 
 def layout_for_remaining(n: int, model_cfg, cfg, groups, cost=None) -> Layout:

@@ -21,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from megadyn.core.groups import ParallelGroups
+from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.elastic.agreement import PeerFailed, RecoveryError
 from megadyn.elastic.control import ControlChannel, connect
 from megadyn.elastic.controller import ElasticController, Released
 from megadyn.elastic.drain import DrainSignal, Stopped
+from megadyn.elastic.hetero_job import build_groups, job_members
 from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.launch.failure_watch import FailureWatch
@@ -34,6 +35,7 @@ from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapsh
 from megadyn.launch.watchdog import Watchdog
 from megadyn.training.arguments import distributed_timeout
 from megadyn.training.config import MegadynConfig
+from megadyn.training.hetero_config import first_layout
 from megadyn.training.state import TrainingState
 from megadyn.training.trainer import Trainer
 
@@ -125,6 +127,16 @@ def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, last_hook=None) ->
     return hooks
 
 
+def layout_line(layout, device) -> str:
+    """The start line's layout and device: degrees, or replicas (--heterogeneous-pipelines)."""
+    if isinstance(layout, HeteroLayout):
+        return f"device {device.type}, replicas of different pipeline depth:\n{layout.describe()}"
+    return (
+        f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp} vpp={layout.vpp} "
+        f"sequence_parallel={layout.sequence_parallel}, device {device.type}"
+    )
+
+
 def control_channel(cfg: MegadynConfig, rank: int = 0, host: str | None = None) -> ControlChannel:
     """The job's control store, hosted by rank 0 (--elastic-control-port, else torchrun's store
     port + 1), for the controller and tools/elastic_ctl.py; after rank 0 died, by process
@@ -177,17 +189,12 @@ def run(
             reconnect=lambda rank, host: control_channel(cfg, rank, host),
         )
         last_hook = controller.step_hook
-    layout = cfg.layout(dist.get_world_size())
-    groups = ParallelGroups.build(
-        layout, members=range(layout.world_size), timeout=cfg.parallel.distributed_timeout
-    )
+    layout = first_layout(cfg, dist.get_world_size(), device.type)
+    groups = build_groups(layout, job_members(layout, range(dist.get_world_size())),
+                          timeout=cfg.parallel.distributed_timeout)  # fmt: skip
     if dist.get_rank() == 0:
-        print(
-            f" megadyn: {dist.get_world_size()} processes, layout tp={layout.tp} pp={layout.pp} "
-            f"dp={layout.dp} vpp={layout.vpp} sequence_parallel={layout.sequence_parallel}, "
-            f"device {device.type}",
-            flush=True,
-        )
+        print(f" megadyn: {dist.get_world_size()} processes, {layout_line(layout, device)}",
+              flush=True)  # fmt: skip
     trainer = None
     if controller is not None:
         controller.members = list(groups.grid.members)

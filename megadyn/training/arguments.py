@@ -149,6 +149,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
     par("--num-distributed-optimizer-instances", type=int)
+    par("--heterogeneous-pipelines", type=int, nargs="*", metavar="STAGES")
     par("--distributed-timeout-minutes", type=int)
     _add_elastic_args(p)
 
@@ -321,6 +322,10 @@ def _to_config(values: dict[str, Any], world_size: int) -> MegadynConfig:
         values["training.micro_batch_size"] = 1
     if values["training.micro_batch_size"] is None:
         raise ConfigError("--micro-batch-size is required (or --micro-batch-tokens)")
+    if values["parallel.heterogeneous_pipelines"] is not None:
+        values["parallel.heterogeneous_pipelines"] = tuple(
+            values["parallel.heterogeneous_pipelines"]
+        )
     parallel = ParallelConfig(**_section(values, "parallel"))
     elastic = ElasticConfig(**_section(values, "elastic"))
     try:

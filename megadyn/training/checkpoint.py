@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.training.checkpoint_dirs import (
     METADATA,
     STATE_FILE,
@@ -160,7 +161,7 @@ def save_checkpoint(
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     dist.barrier(group=group)
-    meta = dict(meta, iteration=iteration, layout=dataclasses.asdict(groups.layout))
+    meta = dict(meta, iteration=iteration, layout=layout_to_dict(groups.layout))
     if async_save:
         future = _BACKGROUND.submit(_save, items, tmp, group, after_write, copied, in_host_memory)
     else:

@@ -90,6 +90,13 @@ class ParallelConfig:
     data-parallel ranks form this many instances, each sharding the state over its own ranks,
     so each shard is also held by a rank of every other instance. A layout whose dp x cp it
     does not divide (after a live change) runs with one instance and says so."""
+    heterogeneous_pipelines: tuple[int, ...] | None = None
+    """Data-parallel replicas of different pipeline depth, built from pipeline templates
+    (--heterogeneous-pipelines [STAGES ...]): with stage counts (e.g. 3 2) the job starts as
+    those replicas (tp x the sum of them processes); without, it starts on the command line's
+    grid where that fits the members, else on the template planner's mix, and with
+    --elastic-layout auto a change of members takes templates when they use more members than
+    any grid and are modelled faster. None = off."""
     distributed_timeout_minutes: int = 10
     """Timeout of the default process group and of every group megadyn creates
     (--distributed-timeout-minutes)."""

@@ -35,6 +35,7 @@ from megadyn.training.checkpoint_items import (
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
 from megadyn.training.evaluation import evaluate
+from megadyn.training.hetero_step import HeteroStep
 from megadyn.training.hooks import StepHook, as_hooks
 from megadyn.training.iteration_log import log_window
 from megadyn.training.metrics_log import MetricsLog
@@ -77,7 +78,8 @@ class Trainer:
         self.window_tokens = 0  # real tokens since the last log line (--micro-batch-tokens)
         self.draws: list[
             tuple[int, int, int, int]
-        ] = []  # (cursor, dp rank, dp size, micro batches; global batch under token budgets)
+        ] = []  # (cursor, dp rank, dp size, micro batches; global batch under token budgets;
+        # first sample, 0, samples for a replica of a heterogeneous layout)
         self.wandb = create_wandb_logger(
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
@@ -92,10 +94,17 @@ class Trainer:
         self.groups = groups
         for hook in self.hooks:  # e.g. host buffers of the old layout's snapshots go
             hook.new_layout(self)
-        self.microbatches.check_dp_size(groups.dp_size)
-        check_variable_lengths(cfg, groups.layout)  # a planner's layout too
+        self.hetero = HeteroStep.of(groups, cfg)  # replicas of different depth; None: a grid
+        if self.hetero is None:
+            self.microbatches.check_dp_size(groups.dp_size)
+            check_variable_lengths(cfg, groups.layout)  # a planner's layout too
         parts = build_model_parts(
-            cfg, self.model_cfg, groups, self.device, init_weights=init_weights
+            cfg,
+            self.model_cfg,
+            self.model_groups,
+            self.device,
+            init_weights=init_weights,
+            stage_layers=self.hetero.stage_layers if self.hetero else None,
         )
         self.tracker, self.chunks, self.ddp = parts.tracker, parts.chunks, parts.ddp
         self.optimizer, self.pipeline_cfg = parts.optimizer, parts.pipeline_cfg
@@ -106,16 +115,24 @@ class Trainer:
         )
         if previous is not None:  # rebuilt under a new layout: the schedule goes on
             self.scheduler.load_state_dict(previous.state_dict())
-        self.train_loader = build_loader(
-            self.data.train,
-            cfg,
-            groups.dp_rank,
-            groups.dp_size,
-            self.state.consumed_samples,
-            self.data.documents,
-        )
-        self.cuda_graph = self._cuda_graph(groups.layout)
-        self._log_distopt_instances(groups.layout)
+        self.train_loader = self._train_loader()
+        self.cuda_graph = None if self.hetero else self._cuda_graph(groups.layout)
+        if self.hetero is None:
+            self._log_distopt_instances(groups.layout)
+
+    @property
+    def model_groups(self):
+        """The groups the model, its schedule and optimizer run on: the layout's, or this
+        rank's replica's in a heterogeneous layout (hetero_step.py)."""
+        return self.groups if self.hetero is None else self.hetero.replica
+
+    def _train_loader(self):
+        args = (self.data.train, self.cfg)
+        consumed, documents = self.state.consumed_samples, self.data.documents
+        if self.hetero is not None:  # this replica's block of each step's micro batches
+            return self.hetero.loader(*args, consumed, documents)
+        g = self.groups
+        return build_loader(*args, g.dp_rank, g.dp_size, consumed, documents)
 
     def _log_distopt_instances(self, layout) -> None:
         """Say so when a layout runs with fewer optimizer copies than the job asked for (a live
@@ -231,8 +248,17 @@ class Trainer:
         return [
             i
             for consumed, dp_rank, dp_size, n in self.draws
-            for j in range(n)
-            for i in micro_batch_indices(consumed + j * mbs * dp_size, dp_rank, dp_size, mbs)
+            for i in (
+                range(dp_rank, dp_rank + n)  # a replica's block of a heterogeneous layout
+                if dp_size == 0
+                else (
+                    i
+                    for j in range(n)
+                    for i in micro_batch_indices(
+                        consumed + j * mbs * dp_size, dp_rank, dp_size, mbs
+                    )
+                )
+            )
         ]
 
     def params_ready(self) -> None:
@@ -293,18 +319,22 @@ class Trainer:
     def gradients(self, batches, n: int, loss_fn=None) -> list[torch.Tensor]:
         """Forward and backward of `n` micro batches from `batches`, then the reductions that
         make the gradients final; the micro batches' losses (`loss_fn`: the layout's)."""
+        scale = self.optimizer.loss_scale
         losses = forward_backward(
             self.ddp,
-            self.groups,
+            self.model_groups,
             batches,
             n,
             config=self.pipeline_cfg,
             loss_fn=loss_fn or self.loss_fn,
             no_sync=self._no_sync,
             cuda_graph=self.cuda_graph,
-            loss_scale=self.optimizer.loss_scale,
+            loss_scale=self.hetero.loss_scale(scale) if self.hetero else scale,
         )
-        finalize_model_grads(self.ddp, self.groups)
+        if self.hetero is not None:
+            self.hetero.finish_grads(self.ddp)
+        else:
+            finalize_model_grads(self.ddp, self.groups)
         return losses
 
     def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
@@ -316,10 +346,16 @@ class Trainer:
             step = draw_token_step(self.train_loader, gbs, g, self.device)
             batches, n, loss_fn = iter(step.batches), step.num_microbatches, step.loss_fn
             self.window_tokens += step.total_tokens
+        elif self.hetero is not None:
+            n = self.hetero.micro_batches
         else:
             n = self.microbatches.num_micro_batches(consumed, g.dp_size)
         if g.tp_rank == g.cp_rank == g.pp_rank == 0:  # one small record per step, expanded later
-            self.draws.append((consumed, g.dp_rank, g.dp_size, gbs if self.token_budget else n))
+            if self.hetero is not None:  # (cursor, first sample, 0, samples): one block
+                block = self.train_loader.samples(consumed)
+                self.draws.append((consumed, block.start, 0, len(block)))
+            else:
+                self.draws.append((consumed, g.dp_rank, g.dp_size, gbs if self.token_budget else n))
         self.zero_grads()
         losses = self.gradients(batches, n, loss_fn)
         self.updating = True  # until the step is counted: the tensors are between two steps
@@ -345,6 +381,8 @@ class Trainer:
         """Mean lm loss of the step over micro batches and dp (on last-stage ranks)."""
         if not self.groups.is_last_stage:
             return None
+        if self.hetero is not None:
+            return self.hetero.mean_loss(losses)
         loss = torch.stack([x.detach().float() for x in losses]).mean()
         if self.groups.dp_size > 1:
             dist.all_reduce(loss, group=self.groups.dp_group)

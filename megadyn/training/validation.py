@@ -24,7 +24,7 @@ __all__ = ["validate"]
 def validate(cfg: MegadynConfig, world_size: int) -> None:
     """Raise ConfigError, led by the flag to change, for anything in `cfg` that cannot run."""
     _validate_members(cfg.elastic, world_size)
-    layout = _validate_layout(cfg, world_size)
+    layout = _first_layout(cfg, world_size)
     _validate_context_parallel(cfg, layout)
     _validate_document_masking(cfg)
     check_variable_lengths(cfg, layout)
@@ -36,6 +36,17 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
     _validate_timeouts(cfg)
     if cfg.logging.log_interval < 1:
         raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
+
+
+def _first_layout(cfg: MegadynConfig, world_size: int) -> Layout:
+    """The first grid, checked; under --heterogeneous-pipelines the first layout may be
+    replicas (hetero_config.py): the rest checks their tp as a one-stage grid."""
+    if cfg.parallel.heterogeneous_pipelines is None:
+        return _validate_layout(cfg, world_size)
+    from megadyn.training.hetero_config import check_heterogeneous  # it imports this package
+
+    layout = check_heterogeneous(cfg, world_size)
+    return _validate_layout(cfg, world_size) if isinstance(layout, Layout) else Layout(tp=layout.tp)
 
 
 def _validate_members(el: ElasticConfig, world_size: int) -> None:

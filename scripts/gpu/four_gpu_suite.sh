@@ -14,8 +14,13 @@
 #              tp2 x dp2 with 2 distributed-optimizer instances -> the planner's layout for 3
 #              GPUs; dp 3 (no distributed optimizer) + 1 standby process that takes the dead
 #              member's place; global batch 24 (dp 3 divides it). About 3 minutes.
-#   all        reference reshard recovery inprocess (more than one call's 10 minutes: BUDGET_S cuts it).
-# Parts named in TODO below (heterogeneous pipelines, cp2 x dp2) wait for
+#   hetero     heterogeneous pipelines, 1.42B model without the distributed optimizer
+#              (tools/bench_hetero.py): 3 GPUs as a 2-stage and a 1-stage replica against the
+#              grids for 3 GPUs (pp3; dp2, one GPU idle), tokens/s per GPU used, and a live
+#              change from tp1 x pp2 x dp2 on 4 GPUs to 2 + 1 stages on 3 (about 4 minutes).
+#   all        reference reshard recovery inprocess hetero (more than one call's 10 minutes:
+#              BUDGET_S cuts it).
+# Parts named in TODO below wait for
 # their code: asking for one writes a line saying so. A new part is a function part_NAME that
 # appends its records to $OUT/NAME.jsonl and its table to $OUT/suite.md.
 # Usage: bash scripts/gpu/four_gpu_suite.sh OUTDIR PART...
@@ -27,9 +32,10 @@
 # REF_FRAMEWORKS ("mcore megadyn"); reshard: CHANGES ("dp4 tp2xdp2 cp2xdp2 tp2xpp2"), RESHARD_TIMEOUT
 # (300); recovery: RECOVERY_RUNS ("default default"; "no-fork-server" restarts without the fork
 # server), RECOVERY_TIMEOUT (200); inprocess: INPROCESS_RUNS ("tp2xdp2 dp3+standby"),
-# INPROCESS_ITERS (16), INPROCESS_KILL_AFTER (8), INPROCESS_TIMEOUT (150). TINY=1: a tiny model
-# on any machine (a CPU smoke run of the script: reshard, recovery and inprocess with gloo,
-# reference megadyn-only).
+# INPROCESS_ITERS (16), INPROCESS_KILL_AFTER (8), INPROCESS_TIMEOUT (150); hetero: HETERO_ITERS
+# (16), HETERO_CHANGE_AT (8), HETERO_TIMEOUT (240). TINY=1: a tiny model on any machine (a CPU
+# smoke run of the script: reshard, recovery, inprocess and hetero with gloo, reference
+# megadyn-only).
 set -uo pipefail
 usage() {  # the header above; on a wrong call only its usage line
   [ "${1:-0}" = 0 ] && sed -n '2,/^set -uo/{/^set -uo/d; s/^# \{0,1\}//; p}' "$0" \
@@ -38,15 +44,12 @@ usage() {  # the header above; on a wrong call only its usage line
 }
 [ $# -ge 2 ] || usage 2
 OUT=$1; shift
-declare -A TODO=(
-  [hetero]="heterogeneous pipelines (a 2-stage and a 1-stage replica on 3 GPUs; 4 -> 3)"
-  [cp]="the live change to cp2 x dp2 (context parallelism)"
-)
+declare -A TODO=()  # every part's code exists; the live change to cp2 x dp2 is in reshard
 PARTS=()
 for p in "$@"; do
   case $p in
-    all) PARTS+=(reference reshard recovery inprocess) ;;
-    reference | reshard | recovery | inprocess) PARTS+=("$p") ;;
+    all) PARTS+=(reference reshard recovery inprocess hetero) ;;
+    reference | reshard | recovery | inprocess | hetero) PARTS+=("$p") ;;
     -h | --help) usage 0 ;;
     *) [ -n "${TODO[$p]:-}" ] && PARTS+=("$p") || { echo "unknown part: $p" >&2; usage 2; } ;;
   esac
@@ -196,6 +199,31 @@ recovery_model() {  # MODEL: the 1.42B reference model's flags; TINY=1: tools/be
   local kept=(); for f in "${MODEL[@]}"; do [ "$f" = --bf16 ] || kept+=("$f"); done; MODEL=("${kept[@]}")
 }
 
+part_hetero() {
+  local iters=${HETERO_ITERS:-16} at=${HETERO_CHANGE_AT:-8} log="$LOGS/hetero.log" model=() MODEL
+  recovery_model
+  for f in "${MODEL[@]}"; do  # templates run without the distributed optimizer (yet)
+    [ "$f" = --use-distributed-optimizer ] || model+=("$f")
+  done
+  [ "$TINY" = 1 ] && iters=8 && at=4 && model+=(--num-layers 6)  # pp3 needs layers / 3
+  : > "$OUT/hetero.jsonl"
+  fits "${HETERO_ESTIMATE_S:-240}" "hetero (4 runs of the 1.42B model)" || return
+  local t0=$SECONDS
+  timeout "$(min "${HETERO_TIMEOUT:-240}" "$(left)")" python3 tools/bench_hetero.py \
+    --out "$LOGS/hetero" --iters "$iters" --change-at "$at" --timeout 120 \
+    "templates 2+1|3|--heterogeneous-pipelines 2 1" \
+    "grid pp3|3|--pipeline-model-parallel-size 3" \
+    "tp1xpp2xdp2 -> 2+1 live|4|--pipeline-model-parallel-size 2 --heterogeneous-pipelines|2 1" \
+    "grid dp2, 1 GPU idle|2|" \
+    -- "${model[@]}" > "$log" 2>&1 || { echo "FAILED hetero"; tail -20 "$log"; }
+  echo "hetero: $((SECONDS - t0)) s" | tee -a "$LOGS/times.txt"
+  grep '^{' "$log" >> "$OUT/hetero.jsonl"
+  save_logs
+  md ""; md "## hetero: replicas of different pipeline depth (tools/bench_hetero.py, $iters iterations, median after 3 warm-up; live change after iteration $at; no distributed optimizer)"
+  md ""; md "$(sed -n '/^| run /,$p' "$log")"
+}
+
+# ---------------------------------------------------------------------------------------------
 part_recovery() {
   local runs=${RECOVERY_RUNS:-"default default"} est=${RECOVERY_ESTIMATE_S:-120} i=0 MODEL
   recovery_model

@@ -17,7 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megadyn.data.sampler import micro_batch_indices  # noqa: E402
 from megadyn.launch import errors  # noqa: E402
 from megadyn.launch.run import main  # noqa: E402
 from megadyn.training.trainer import Trainer  # noqa: E402
@@ -30,13 +29,9 @@ def recording(train_step):
     def step(trainer):
         before = len(trainer.draws)
         result = train_step(trainer)
-        mbs = trainer.cfg.training.micro_batch_size
-        samples = [
-            i
-            for consumed, dp_rank, dp_size, n in trainer.draws[before:]
-            for j in range(n)
-            for i in micro_batch_indices(consumed + j * mbs * dp_size, dp_rank, dp_size, mbs)
-        ]
+        drawn, trainer.draws = trainer.draws, trainer.draws[before:]
+        samples = trainer.samples_drawn  # this step's (the trainer expands its records)
+        trainer.draws = drawn
         members = list(trainer.groups.grid.members)
         line = {"it": trainer.iteration, "t": time.time(), "members": members, "samples": samples}
         with open(OUT / f"rank{RANK}.jsonl", "a") as f:

@@ -28,7 +28,7 @@ FLAGS = [
     "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-recovery", "--exit-signal-handler", "--elastic-min-members", "--elastic-reshard-chunk-mb",
     "--elastic-snapshot-dir", "--elastic-snapshot-interval", "--end-weight-decay", "--eval-interval", "--eval-iters",
     "--exit-interval", "--ffn-hidden-size", "--finetune", "--fp16", "--fp8-format", "--fp8-recipe", "--global-batch-size",
-    "--group-query-attention", "--help", "--hidden-dropout", "--hidden-size", "--hysteresis",
+    "--group-query-attention", "--help", "--heterogeneous-pipelines", "--hidden-dropout", "--hidden-size", "--hysteresis",
     "--init-method-std", "--initial-loss-scale", "--load", "--log-interval", "--log-num-zeros-in-grad", "--log-throughput",
     "--loss-scale", "--loss-scale-window", "--lr", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-fraction",
     "--lr-warmup-init", "--lr-warmup-iters", "--lr-wsd-decay-iters", "--lr-wsd-decay-style",
