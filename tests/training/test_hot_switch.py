@@ -1,8 +1,9 @@
 """--dynamic-parallelism (hot switching): on 4 processes a skewed mix of documents (many short,
 some long) trains in two length groups per step, the short ones data-parallel over 4 ranks (the
 base layout) and the long ones under tensor parallelism 4, switching twice per step; the losses
-equal a static dp 4 run's on the same samples within 1e-5 and every sample is drawn once. The
-planner and the weight moves are checked without processes."""
+equal a static dp 4 run's on the same samples within 1e-5 and every sample is drawn once. A
+tp 2 x dp 2 base with memory for everything runs every sample at dp 4 (weights gathered over
+tp, gradients sliced back), with the same losses. The planner is checked without processes."""
 
 import shlex
 
@@ -28,7 +29,7 @@ MODEL = GPTConfig(
     max_position_embeddings=64,
     make_vocab_size_divisible_by=8,
 )
-STEPS, GBS, SHORT_BUDGET = 3, 16, 36
+STEPS, GBS, SHORT_BUDGET = 2, 16, 36
 # the memory that holds a micro batch of 36 tokens at dp 4, so longer samples need tp
 MEMORY_GIB = memory_gib(MODEL, Layout(dp=4), 1, SHORT_BUDGET, RecomputeConfig())
 
@@ -63,12 +64,17 @@ def static_and_hot(rank, world, argv):
 
     out = {}
     hot = ["--dynamic-parallelism", "--dynamic-parallelism-memory-gib", repr(MEMORY_GIB)]
-    for name, extra in (("static", []), ("hot", hot)):
+    # base tp 2 x dp 2 with room for all: every sample runs at dp 4 (weights gathered over tp)
+    tp_base = ["--dynamic-parallelism", "--tensor-model-parallel-size", "2"]
+    for name, extra in (("static", []), ("hot", hot), ("tp_base", tp_base)):
         cfg = parse_args(argv + extra, world_size=world)
         groups = ParallelGroups.build(cfg.layout(world), range(world))
         trainer = Trainer(cfg, groups, "cpu", print_fn=lambda *a, **k: None)
         out[name] = [trainer.train_step()[0].item() for _ in range(STEPS)]
-        if trainer.hot is not None:
+        if name == "tp_base":
+            out["tp_base_plan"] = [g.layout for g in trainer.hot.plan.groups]
+            out["tp_base_switches"] = [r.switches for r in trainer.hot.records]
+        elif trainer.hot is not None:
             out["plan"] = [(g.layout, g.max_tokens, g.lengths) for g in trainer.hot.plan.groups]
             out["records"] = trainer.hot.records
             out["drawn"] = trainer.samples_drawn
@@ -90,6 +96,8 @@ def test_hot_switching_equals_a_static_layout(corpus):
             assert [g.layout for g in record.groups] == [Layout(dp=4), Layout(tp=4)], record
             assert record.switches == 2 and record.groups[1].shortest > SHORT_BUDGET, record
             assert sum(g.samples for g in record.groups) == GBS
+        np.testing.assert_allclose(r["tp_base"], results[0]["static"], rtol=1e-5, atol=1e-6)
+        assert r["tp_base_plan"] == [Layout(dp=4)] and r["tp_base_switches"] == [2] * STEPS
     drawn = sorted(i for r in results for i in r["drawn"])
     assert drawn == list(range(STEPS * GBS)), drawn  # each once, by one rank
 
