@@ -18,8 +18,8 @@ piece each tp rank holds, so the moved values are exact.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megadyn.core.distributed.comm import all_gather_flat
 from megadyn.models.config import GPTConfig
 from megadyn.models.sharding import ParamSpec, Piece, param_specs, tp_piece
 
@@ -49,7 +49,7 @@ def gather_whole(
     send = first.new_zeros(width)
     torch.cat([local.reshape(-1) for _, _, local in split], out=send[: sizes[groups.tp_rank]])
     received = first.new_empty(tp * width)  # [tp * width]: rank r's pieces at r * width
-    dist.all_gather_into_tensor(received, send, group=groups.tp_group)
+    all_gather_flat(received, send, groups.tp_group)
     for i, spec, _ in split:
         whole[i] = first.new_empty(spec.shape)
     for r in range(tp):

@@ -9,9 +9,12 @@
 #   hot:    base dp 2 (distributed optimizer); the length planner sends each length to dp 2
 #           while its micro batches fit MEMORY_GIB (default 60) and to tp 2 beyond, switching
 #           the weights in and the gradients back within each step.
-# ITERS iterations each (default 8); tokens/s is the median of the iteration lines after WARMUP
-# (default 3). Writes OUTDIR/results.jsonl, table.md, static.log, hot.log (with the per-step
-# group and switch lines) and the metrics files.
+# First tools/bench_hot_switch.py times a switch's moves (weights dp 2 -> tp 2, gradients back)
+# by the all-gather path that training uses and by the reshard planner + executor, and checks
+# that both give bit-equal tensors (moves.jsonl). Then ITERS iterations of each row (default 8);
+# tokens/s is the median of the iteration lines after WARMUP (default 3). Writes
+# OUTDIR/moves.jsonl, results.jsonl, table.md, static.log, hot.log (with the per-step group and
+# switch lines) and the metrics files.
 # Usage: bash scripts/gpu/hot_switch.sh OUTDIR          (about 3 minutes on 2 x H100)
 #        TINY=1 bash scripts/gpu/hot_switch.sh OUTDIR   (CPU, gloo, a tiny model: the flow only)
 set -uo pipefail
@@ -24,6 +27,7 @@ if [ "${TINY:-0}" = 1 ]; then
   SEQ=512; VOCAB=1000; ITERS=4; WARMUP=1; GBS=16
   MODEL=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128
     --lr 1e-4 --hidden-dropout 0 --attention-dropout 0 --use-distributed-optimizer)
+  MOVES_FLAGS="--layers 2 --hidden 64 --heads 4 --ffn 128 --vocab $((VOCAB + 1))"
   CORPUS=(--num-documents 2000 --median 64 --sigma 1.2 --max-length $((SEQ + 1)))
   # the memory of a dp 2 micro batch of 400 tokens: longer samples go to tp 2
   MEMORY_GIB=$(python3 -c "
@@ -44,10 +48,15 @@ else
       *) MODEL+=("$arg") ;;
     esac
   done
+  MOVES_FLAGS="--bf16"  # the 1.42B shape is the tool's default
   CORPUS=(--num-documents 20000 --median 1024 --sigma 1.4 --max-length $((SEQ + 1)))
   MEMORY_GIB=${MEMORY_GIB:-60}
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 fi
+# the two ways to move a switch's tensors (all-gather path, reshard executor): time, bit-equal
+# shellcheck disable=SC2086
+timeout "${MOVES_TIMEOUT:-60}" torchrun --standalone --nproc-per-node 2 tools/bench_hot_switch.py \
+  $MOVES_FLAGS 2>&1 | grep '^{' | tee "$OUT/moves.jsonl"
 python3 tools/make_length_corpus.py --output-prefix "$OUT/corpus" --vocab-size "$VOCAB" \
   "${CORPUS[@]}" | tee "$OUT/corpus.txt"
 COMMON=("${MODEL[@]}" --seq-length "$SEQ" --max-position-embeddings "$SEQ"
