@@ -71,8 +71,9 @@ def _timed(fn, device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(cfg: GPTConfig, device: torch.device, repeats: int = 3) -> list[dict]:
+def run(cfg: GPTConfig, device: torch.device | str, repeats: int = 3) -> list[dict]:
     """Both mechanisms between dp N and tp N over all ranks; rows on rank 0 (module doc)."""
+    device = torch.device(device)
     world = dist.get_world_size()
     members = list(range(world))
     base_layout, other_layout = Layout(dp=world), Layout(tp=world)

@@ -191,8 +191,8 @@ class TrainingConfig:
     layout over the same processes (weights moved in, gradients brought back to this layout's
     buffers), one optimizer step (--dynamic-parallelism; megadyn/training/hot_switch.py)."""
     dynamic_parallelism_memory_gib: float | None = None
-    """GiB per device the length planner may plan for; default the device's memory (CUDA) or
-    unbounded (CPU) (--dynamic-parallelism-memory-gib)."""
+    """GiB per device the length planner may plan for; default 90% of the device's memory
+    (CUDA) or unbounded (CPU) (--dynamic-parallelism-memory-gib)."""
     global_batch_size: int = 1
     """Samples per optimizer step over all data-parallel ranks; stays fixed when dp changes
     (--global-batch-size)."""

@@ -52,6 +52,8 @@ from megadyn.training.layout_switch import LayoutSwitch
 from megadyn.training.token_steps import global_token_loss
 
 GiB = 2**30
+DEVICE_SHARE = 0.9
+"""The part of a GPU's memory the length planner plans for by default."""
 
 
 @dataclass
@@ -96,12 +98,13 @@ class HotStep:
 
 
 def planner_memory_gib(cfg: MegadynConfig, device: torch.device) -> float:
-    """--dynamic-parallelism-memory-gib, else the device's memory (unbounded on the CPU)."""
+    """--dynamic-parallelism-memory-gib, else 90% of the device's memory (unbounded on the
+    CPU)."""
     asked = cfg.training.dynamic_parallelism_memory_gib
     if asked is not None:
         return asked
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / GiB
+    if device.type == "cuda":  # what the allocator's fragmentation and the context leave
+        return DEVICE_SHARE * torch.cuda.get_device_properties(device).total_memory / GiB
     return float("inf")
 
 

@@ -3,7 +3,8 @@ some long) trains in two length groups per step, the short ones data-parallel ov
 base layout) and the long ones under tensor parallelism 4, switching twice per step; the losses
 equal a static dp 4 run's on the same samples within 1e-5 and every sample is drawn once. A
 tp 2 x dp 2 base with memory for everything runs every sample at dp 4 (weights gathered over
-tp, gradients sliced back), with the same losses. The planner is checked without processes."""
+tp, gradients sliced back), with the same losses. The switch's moves equal the reshard
+executor's bit for bit. The planner is checked without processes."""
 
 import shlex
 
@@ -80,6 +81,12 @@ def static_and_hot(rank, world, argv):
             out["drawn"] = trainer.samples_drawn
         trainer.release()
         groups.destroy()
+    # the all-gather moves against the reshard executor's (dp 4 <-> tp 4): bit-equal
+    from megadyn.bench.hot_switch import model_config, run
+
+    cfg = model_config(2, 16, 4, 32, 61, bf16=False).with_(make_vocab_size_divisible_by=8)
+    rows = run(cfg, "cpu", repeats=1)
+    out["moves_bit_equal"] = [r["bit_equal"] for r in rows]
     return out
 
 
@@ -98,6 +105,7 @@ def test_hot_switching_equals_a_static_layout(corpus):
             assert sum(g.samples for g in record.groups) == GBS
         np.testing.assert_allclose(r["tp_base"], results[0]["static"], rtol=1e-5, atol=1e-6)
         assert r["tp_base_plan"] == [Layout(dp=4)] and r["tp_base_switches"] == [2] * STEPS
+    assert results[0]["moves_bit_equal"] == [True, True]
     drawn = sorted(i for r in results for i in r["drawn"])
     assert drawn == list(range(STEPS * GBS)), drawn  # each once, by one rank
 
