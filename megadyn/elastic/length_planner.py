@@ -7,9 +7,11 @@ sequence parallelism) for every sample length with the layout planner's models
 (layout_planner.py):
 
 - memory: a layout other than the base holds a copy of the weights and gradients (no
-  optimizer) beside the base layout's model and optimizer, plus the activations of one micro
-  batch; its micro-batch token budget is the most tokens that fit (at most
-  --micro-batch-tokens), and a length it cannot hold is not its to run;
+  optimizer); every layout runs beside the base layout's model and optimizer and the other
+  chosen layouts' copies (all stay allocated), plus the activations of one micro batch; its
+  micro-batch token budget is the most tokens that fit (at most --micro-batch-tokens), and a
+  length it cannot hold is not its to run (planned once without the copies, then again with
+  those of the layouts chosen);
 - time: the PTD-P cost of a step of such samples (its attention term grows with the square of
   the length; tp adds its all-reduces, dp its gradient reduction) per sample.
 
@@ -115,15 +117,24 @@ def plan_length_groups(
     """The plan (module docstring); a length no layout holds is a LayoutError naming the
     memory flag."""
     rc, cost = recompute or RecomputeConfig(), cost or CostModel()
-    base_state = memory_gib(cfg, base, 1, 0, rc, distributed_optimizer)  # weights + optimizer
-
-    def need(layout: Layout, tokens: int) -> float:
-        if layout == base:
-            return memory_gib(cfg, base, 1, tokens, rc, distributed_optimizer)
-        return base_state + memory_gib(cfg, layout, 1, tokens, rc, optimizer=False)
-
     layouts = [base] + [c for c in candidate_layouts(cfg, base.world_size) if c != base]
-    budgets = {c: _max_tokens(lambda t, c=c: need(c, t) <= gpu_memory_gib, budget) for c in layouts}
+    # what each layout keeps allocated all step: the base its model and optimizer, another
+    # layout its copy of the weights and gradients
+    state = {
+        c: memory_gib(cfg, c, 1, 0, rc, distributed_optimizer, optimizer=c == base) for c in layouts
+    }
+
+    def budgets_beside(held: set[Layout]) -> dict[Layout, int]:
+        """Each layout's token budget while the copies of `held` (and the base) stay allocated."""
+
+        def need(layout: Layout, tokens: int) -> float:
+            others = sum(state[c] for c in held | {base} if c != layout)
+            opt = layout == base
+            return others + memory_gib(cfg, layout, 1, tokens, rc, distributed_optimizer, opt)
+
+        return {
+            c: _max_tokens(lambda t, c=c: need(c, t) <= gpu_memory_gib, budget) for c in layouts
+        }
 
     def per_sample(layout: Layout, length: int) -> float:
         # many samples per step: the gradient reduction, paid once per step whatever the
@@ -140,7 +151,11 @@ def plan_length_groups(
             )
         return min(fitting, key=lambda c: (per_sample(c, length), layouts.index(c)))
 
+    budgets = budgets_beside(set())
     upper, runs = _runs(best, seq_length, sorted(budgets.values()))
+    if len(set(runs)) > 1:  # again with the chosen layouts' copies held beside each other
+        budgets = budgets_beside(set(runs))
+        upper, runs = _runs(best, seq_length, sorted(budgets.values()))
     chosen = sorted(set(runs), key=lambda c: (c != base, c.tp))
     firsts = [1] + [u + 1 for u in upper[:-1]]
     groups = tuple(

@@ -29,13 +29,14 @@ if [ "${TINY:-0}" = 1 ]; then
     --lr 1e-4 --hidden-dropout 0 --attention-dropout 0 --use-distributed-optimizer)
   MOVES_FLAGS="--layers 2 --hidden 64 --heads 4 --ffn 128 --vocab $((VOCAB + 1))"
   CORPUS=(--num-documents 2000 --median 64 --sigma 1.2 --max-length $((SEQ + 1)))
-  # the memory of a dp 2 micro batch of 400 tokens: longer samples go to tp 2
+  # the memory of a dp 2 micro batch of 400 tokens beside a tp 2 copy: longer samples go to tp 2
   MEMORY_GIB=$(python3 -c "
 from megadyn.core.layout import Layout; from megadyn.core.recompute import RecomputeConfig
 from megadyn.elastic.layout_planner import memory_gib; from megadyn.models.config import GPTConfig
 cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                 vocab_size=$((VOCAB + 1)), max_position_embeddings=$SEQ)
-print(repr(memory_gib(cfg, Layout(dp=2), 1, 400, RecomputeConfig())))")
+rc = RecomputeConfig()
+print(repr(memory_gib(cfg, Layout(dp=2), 1, 400, rc) + memory_gib(cfg, Layout(tp=2), 1, 0, rc, optimizer=False)))")
 else
   SEQ=32768; VOCAB=50303
   MODEL=()  # the reference model less its data, length and batch flags

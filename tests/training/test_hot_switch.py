@@ -31,8 +31,11 @@ MODEL = GPTConfig(
     make_vocab_size_divisible_by=8,
 )
 STEPS, GBS, SHORT_BUDGET = 2, 16, 36
-# the memory that holds a micro batch of 36 tokens at dp 4, so longer samples need tp
-MEMORY_GIB = memory_gib(MODEL, Layout(dp=4), 1, SHORT_BUDGET, RecomputeConfig())
+# the memory that holds a micro batch of 36 tokens at dp 4 beside a tp 4 copy of the model, so
+# longer samples need tp
+MEMORY_GIB = memory_gib(MODEL, Layout(dp=4), 1, SHORT_BUDGET, RecomputeConfig()) + memory_gib(
+    MODEL, Layout(tp=4), 1, 0, RecomputeConfig(), optimizer=False
+)
 
 
 @pytest.fixture(scope="module")
