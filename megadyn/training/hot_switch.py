@@ -25,7 +25,8 @@ A step at data cursor c with global batch G:
 
     hot = HotSwitch.build(cfg, model_cfg, groups, chunks, device)   # in Trainer.build
     loss, tokens = hot.gradients(trainer, global_batch)             # in Trainer.train_step
-    hot.records[-1]     # HotStep: groups, layouts, switches, switch seconds
+    hot.records[-1]     # HotStep: groups, layouts, switches, switch seconds (printed, and a
+                        # `dynamic_parallelism` record in the metrics file, each step)
 """
 
 from __future__ import annotations
@@ -84,6 +85,20 @@ class HotStep:
     groups: list[GroupStep] = field(default_factory=list)
     switches: int = 0
     switch_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        """The metrics file's `dynamic_parallelism` record of the step."""
+        groups = [
+            dict(layout=f"tp{g.layout.tp}xdp{g.layout.dp}", samples=g.samples,
+                 shortest=g.shortest, longest=g.longest)
+            for g in self.groups
+        ]  # fmt: skip
+        return dict(
+            iteration=self.iteration,
+            groups=groups,
+            switches=self.switches,
+            switch_seconds=self.switch_seconds,
+        )
 
     def describe(self) -> str:
         parts = [

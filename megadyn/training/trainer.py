@@ -353,6 +353,7 @@ class Trainer:
         self.window_tokens += tokens
         if self.logs:
             self.print(self.hot.records[-1].describe(), flush=True)
+            self.metrics_log.event("dynamic_parallelism", self.hot.records[-1].to_dict())
         applied, grad_norm = self._optimizer_step(consumed)
         return loss, applied, grad_norm
 

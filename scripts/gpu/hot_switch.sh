@@ -74,13 +74,14 @@ for row in static hot; do
   timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node 2 pretrain_gpt.py "${COMMON[@]}" \
     ${ROWS[$row]} --metrics-file "$OUT/$row.metrics.jsonl" > "$OUT/$row.log" 2>&1 \
     || { echo "$row: exit $?"; tail -8 "$OUT/$row.log"; }
-  python3 - "$OUT/$row.metrics.jsonl" "$row" "$WARMUP" "$OUT/$row.log" >> "$OUT/results.jsonl" <<'PY'
-import json, os, re, statistics, sys
+  python3 - "$OUT/$row.metrics.jsonl" "$row" "$WARMUP" >> "$OUT/results.jsonl" <<'PY'
+import json, os, statistics, sys
 from megadyn.training.metrics_log import iterations, read_metrics
-path, row, warmup, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+path, row, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
 its = iterations(read_metrics(path)) if os.path.exists(path) else {}
 tps = [r["tokens_per_sec"] for i, r in its.items() if i > warmup]
-switch_ms = [float(m) for m in re.findall(r"switches in ([0-9.]+) ms", open(log).read())]
+steps = [r for r in read_metrics(path) if r["record"] == "dynamic_parallelism"] if its else []
+switch_ms = [1e3 * r["switch_seconds"] for r in steps]
 print(json.dumps({
     "row": row, "iterations": len(its),
     "tokens_per_s": statistics.median(tps) if tps else None,
@@ -88,7 +89,7 @@ print(json.dumps({
     "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in its.values()) if its else None,
     "losses": [round(r["losses"]["lm loss"], 4) for r in its.values()],
     "switch_ms_per_step": statistics.mean(switch_ms[warmup:] or switch_ms) if switch_ms else None,
-    "switches": sum(int(n) for n in re.findall(r"; (\d+) switches in", open(log).read())),
+    "switches": sum(r["switches"] for r in steps),
 }))
 PY
 done
