@@ -17,6 +17,8 @@ piece each tp rank holds, so the moved values are exact.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megadyn.core.distributed.comm import all_gather_flat
@@ -43,7 +45,7 @@ def gather_whole(
     pieces: list[list[Piece]] = [
         [tp_piece(spec, cfg, tp, r) for _, spec, _ in split] for r in range(tp)
     ]
-    sizes = [sum(_numel(p.sizes) for p in rank_pieces) for rank_pieces in pieces]
+    sizes = [sum(math.prod(p.sizes) for p in rank_pieces) for rank_pieces in pieces]
     width = max(sizes)
     first = split[0][2]
     send = first.new_zeros(width)
@@ -56,17 +58,10 @@ def gather_whole(
         offset = r * width
         for k, (i, _, _) in enumerate(split):
             piece = pieces[r][k]
-            n = _numel(piece.sizes)
+            n = math.prod(piece.sizes)
             piece.put(whole[i], received[offset : offset + n])
             offset += n
     return whole
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class LayoutSwitch:
@@ -90,7 +85,7 @@ class LayoutSwitch:
         self.buckets: list[list[tuple[ParamSpec, torch.nn.Parameter, torch.nn.Parameter]]] = [[]]
         size = 0
         for name, param in base.items():
-            n = _numel(specs[name].shape)
+            n = math.prod(specs[name].shape)
             if self.buckets[-1] and size + n > bucket_numel:
                 self.buckets.append([])
                 size = 0
