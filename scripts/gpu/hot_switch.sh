@@ -15,13 +15,14 @@
 # tokens/s is the median of the iteration lines after WARMUP (default 3). Writes
 # OUTDIR/moves.jsonl, results.jsonl, table.md, static.log, hot.log (with the per-step group and
 # switch lines) and the metrics files.
-# Usage: bash scripts/gpu/hot_switch.sh OUTDIR          (about 3 minutes on 2 x H100)
+# Usage: bash scripts/gpu/hot_switch.sh OUTDIR   (about 2.5 minutes on 2 x H100; at most 4:
+#        timeouts of 45 s for the moves and 95 s per row)
 #        TINY=1 bash scripts/gpu/hot_switch.sh OUTDIR   (CPU, gloo, a tiny model: the flow only)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_hot}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-ITERS=${ITERS:-8}; WARMUP=${WARMUP:-3}; GBS=${GBS:-32}; ROW_TIMEOUT=${ROW_TIMEOUT:-110}
+ITERS=${ITERS:-8}; WARMUP=${WARMUP:-3}; GBS=${GBS:-32}; ROW_TIMEOUT=${ROW_TIMEOUT:-95}
 source scripts/gpu/reference_model.sh
 if [ "${TINY:-0}" = 1 ]; then
   SEQ=512; VOCAB=1000; ITERS=4; WARMUP=1; GBS=16
@@ -56,7 +57,7 @@ else
 fi
 # the two ways to move a switch's tensors (all-gather path, reshard executor): time, bit-equal
 # shellcheck disable=SC2086
-timeout "${MOVES_TIMEOUT:-60}" torchrun --standalone --nproc-per-node 2 tools/bench_hot_switch.py \
+timeout "${MOVES_TIMEOUT:-45}" torchrun --standalone --nproc-per-node 2 tools/bench_hot_switch.py \
   $MOVES_FLAGS 2>&1 | grep '^{' | tee "$OUT/moves.jsonl"
 python3 tools/make_length_corpus.py --output-prefix "$OUT/corpus" --vocab-size "$VOCAB" \
   "${CORPUS[@]}" | tee "$OUT/corpus.txt"
