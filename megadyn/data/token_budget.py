@@ -26,7 +26,7 @@ depend on how the samples are grouped (the trainer all-reduces `step.tokens` ove
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,19 @@ def group_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def split_by_weight(weights: Sequence[float], parts: int) -> list[list[int]]:
+    """Positions into `weights` dealt to `parts` ranks, heaviest first, each to the rank with
+    the least weight so far (ties: lowest rank); each rank's list in ascending position. A pure
+    function of the weights: every rank computes the same split."""
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    loads, out = [0.0] * parts, [[] for _ in range(parts)]
+    for i in order:
+        r = min(range(parts), key=lambda k: (loads[k], k))
+        loads[r] += weights[i]
+        out[r].append(i)
+    return [sorted(o) for o in out]
+
+
 def pad_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack samples of different lengths into [b, longest] tensors, padded at the end with
     zeros (loss_mask 0 there; position ids go on counting, as a longer sample's would)."""
@@ -87,7 +100,7 @@ class StepBatches:
     """Collated micro batches, in the order they run."""
     tokens: int
     """Loss tokens (sum of loss_mask) over `batches`."""
-    samples: range
+    samples: Sequence[int]
     """The global sample indices they hold."""
 
 
@@ -115,14 +128,23 @@ class TokenBudgetLoader(DataCursor):
     def step_at(self, consumed_samples: int, global_batch_size: int) -> StepBatches:
         """This rank's micro batches of the step at `consumed_samples` (no state change)."""
         share = step_share(consumed_samples, self.dp_rank, self.dp_size, global_batch_size)
-        samples = [self.dataset[self.order(g)] for g in share]
-        groups = group_by_tokens([len(s["tokens"]) for s in samples], self.budget)
+        return self.batches_of(share, self.budget)
+
+    def batches_of(self, samples: Sequence[int], budget: int) -> StepBatches:
+        """Micro batches of the global samples `samples` cut by `budget` tokens (no state
+        change): what a rank runs of a length group (megadyn/training/hot_switch.py)."""
+        read = [self.dataset[self.order(g)] for g in samples]
+        groups = group_by_tokens([len(s["tokens"]) for s in read], budget)
         batches = []
         for group in groups:
-            batch = pad_collate([samples[i] for i in group])
+            batch = pad_collate([read[i] for i in group])
             batches.append(batch if self.transform is None else self.transform(batch))
         tokens = int(sum(b["loss_mask"].sum().item() for b in batches))
-        return StepBatches(batches, tokens, share)
+        return StepBatches(batches, tokens, samples)
+
+    def sample_length(self, global_index: int) -> int:
+        """Tokens of global sample `global_index`, from the index alone (no read)."""
+        return self.dataset.sample_length(self.order(global_index))
 
     def next_step(self, global_batch_size: int) -> StepBatches:
         """The micro batches of the step at the cursor; the cursor moves past the step."""

@@ -56,11 +56,13 @@ def memory_gib(
     seq_length: int,
     recompute: RecomputeConfig,
     distributed_optimizer: bool = True,
+    optimizer: bool = True,
 ) -> float:
-    """Peak memory of the busiest rank (the first pipeline stage), GiB."""
+    """Peak memory of the busiest rank (the first pipeline stage), GiB. Without `optimizer`
+    the layout holds weights and gradients only (a hot-switch group's copy of the model)."""
     params = num_params(cfg) / (layout.tp * layout.pp)
     state = 2 + 4  # bf16 weight + fp32 gradient buffer
-    fp32_state = 12  # main weight + exp_avg + exp_avg_sq
+    fp32_state = 12 if optimizer else 0  # main weight + exp_avg + exp_avg_sq
     # ranks sharing one optimizer copy: weights replicate over dp x cp
     shards = max(1, layout.dp * layout.cp // layout.distopt_instances)
     per_param = state + (fp32_state / shards if distributed_optimizer else fp32_state)

@@ -175,6 +175,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     t = _Group(p, "training", "training", TrainingConfig)
     t("--micro-batch-size", type=int, default=None)
     t("--micro-batch-tokens", type=int)
+    t("--dynamic-parallelism", action="store_true")
+    t("--dynamic-parallelism-memory-gib", type=float)
     t("--global-batch-size", type=int, default=None)
     t("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
     t("--train-iters", type=int, default=None)

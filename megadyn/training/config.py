@@ -193,6 +193,13 @@ class TrainingConfig:
     """Micro batches of whole variable-length samples holding at most this many tokens,
     padding included, instead of --micro-batch-size samples; needs --sample-per-document
     (--micro-batch-tokens, megadyn's flag)."""
+    dynamic_parallelism: bool = False
+    """Hot switching: each step's samples are grouped by length, each group runs under its own
+    layout over the same processes (weights moved in, gradients brought back to this layout's
+    buffers), one optimizer step (--dynamic-parallelism; megadyn/training/hot_switch.py)."""
+    dynamic_parallelism_memory_gib: float | None = None
+    """GiB per device the length planner may plan for; default 90% of the device's memory
+    (CUDA) or unbounded (CPU) (--dynamic-parallelism-memory-gib)."""
     global_batch_size: int = 1
     """Samples per optimizer step over all data-parallel ranks; stays fixed when dp changes
     (--global-batch-size)."""

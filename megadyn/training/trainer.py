@@ -37,6 +37,7 @@ from megadyn.training.data_setup import build_datasets, build_loader
 from megadyn.training.evaluation import evaluate
 from megadyn.training.hetero_step import HeteroStep
 from megadyn.training.hooks import StepHook, as_hooks
+from megadyn.training.hot_switch import HotSwitch
 from megadyn.training.iteration_log import log_window
 from megadyn.training.metrics_log import MetricsLog
 from megadyn.training.microbatches import MicroBatchCalculator
@@ -119,6 +120,18 @@ class Trainer:
         self.cuda_graph = None if self.hetero else self._cuda_graph(groups.layout)
         if self.hetero is None:
             self._log_distopt_instances(groups.layout)
+        self._build_hot_switch(groups)
+
+    def _build_hot_switch(self, groups) -> None:
+        """--dynamic-parallelism: the length plan and its other layouts' model copies."""
+        previous = getattr(self, "hot", None)
+        if previous is not None:
+            previous.release()
+        self.hot = None
+        if self.cfg.training.dynamic_parallelism:
+            self.hot = HotSwitch.build(self.cfg, self.model_cfg, groups, self.chunks, self.device)
+            if self.logs:
+                self.print(self.hot.describe_plan(), flush=True)
 
     @property
     def model_groups(self):
@@ -243,6 +256,8 @@ class Trainer:
         """Global sample indices this rank's data-parallel replica read (tp 0, cp 0, first
         stage)."""
         mbs = self.cfg.training.micro_batch_size
+        if self.hot is not None:  # each group's samples are dealt by the length plan
+            return list(self.hot.drawn)
         if self.token_budget:  # the draw records the global batch
             return [i for c, r, dp, gbs in self.draws for i in step_share(c, r, dp, gbs)]
         return [
@@ -280,6 +295,9 @@ class Trainer:
             d.remove_hooks()
         self.chunks = self.ddp = self.optimizer = self.train_loader = None
         self.tracker = self.pipeline_cfg = self.loss_fn = self.cuda_graph = None
+        if self.hot is not None:
+            self.hot.release()
+            self.hot = None
         self.scheduler.bind(None)  # it drove the optimizer, which holds groups
 
     @property
@@ -341,6 +359,8 @@ class Trainer:
         consumed = self.state.consumed_samples
         g = self.groups
         batches, loss_fn = self.train_loader, None
+        if self.hot is not None:
+            return self._hot_step(consumed)
         if self.token_budget:
             gbs = self.microbatches.global_batch_size(consumed)
             step = draw_token_step(self.train_loader, gbs, g, self.device)
@@ -358,6 +378,23 @@ class Trainer:
                 self.draws.append((consumed, g.dp_rank, g.dp_size, gbs if self.token_budget else n))
         self.zero_grads()
         losses = self.gradients(batches, n, loss_fn)
+        applied, grad_norm = self._optimizer_step(consumed)
+        return self._mean_loss(losses), applied, grad_norm
+
+    def _hot_step(self, consumed: int) -> tuple[torch.Tensor, bool, float | None]:
+        """A step of length groups under their own layouts (--dynamic-parallelism)."""
+        self.zero_grads()
+        gbs = self.microbatches.global_batch_size(consumed)
+        loss, tokens = self.hot.gradients(self, gbs)
+        self.window_tokens += tokens
+        if self.logs:
+            self.print(self.hot.records[-1].describe(), flush=True)
+            self.metrics_log.event("dynamic_parallelism", self.hot.records[-1].to_dict())
+        applied, grad_norm = self._optimizer_step(consumed)
+        return loss, applied, grad_norm
+
+    def _optimizer_step(self, consumed: int) -> tuple[bool, float | None]:
+        """The optimizer step after the gradients are final, and the step's counters."""
         self.updating = True  # until the step is counted: the tensors are between two steps
         applied, grad_norm, _ = self.optimizer.step()
         if applied:
@@ -375,7 +412,7 @@ class Trainer:
         if self.device.type == "cuda":  # when the device is done with this step's work
             self.step_done = self.step_done or torch.cuda.Event()
             self.step_done.record()
-        return self._mean_loss(losses), applied, grad_norm
+        return applied, grad_norm
 
     def _mean_loss(self, losses) -> torch.Tensor | None:
         """Mean lm loss of the step over micro batches and dp (on last-stage ranks)."""

@@ -137,6 +137,7 @@ def check_variable_lengths(cfg: MegadynConfig, layout: Layout) -> None:
     """--sample-per-document and --micro-batch-tokens go together, and not (yet) with what
     needs one sample shape for every micro batch; the trainer checks each new layout too."""
     per_doc, budget = cfg.data.sample_per_document, cfg.training.micro_batch_tokens
+    _check_dynamic_parallelism(cfg, layout)
     if per_doc != (budget is not None):
         raise ConfigError(
             "--sample-per-document and --micro-batch-tokens go together: give both or neither"
@@ -163,6 +164,29 @@ def check_variable_lengths(cfg: MegadynConfig, layout: Layout) -> None:
         if used:
             raise ConfigError(
                 f"--sample-per-document does not run with {other} yet: drop one of them"
+            )
+
+
+def _check_dynamic_parallelism(cfg: MegadynConfig, layout: Layout) -> None:
+    """--dynamic-parallelism needs variable-length samples and a job that keeps its processes."""
+    if not cfg.training.dynamic_parallelism:
+        return
+    if not cfg.data.sample_per_document:
+        raise ConfigError(
+            "--dynamic-parallelism groups samples by length: it needs --sample-per-document "
+            "and --micro-batch-tokens"
+        )
+    unsupported = {
+        "live reconfiguration (--elastic-control-port, --elastic-initial-members)": (
+            cfg.elastic.live
+        ),
+        "--overlap-param-gather": cfg.parallel.overlap_param_gather,
+        "--sequence-parallel": layout.sequence_parallel,
+    }
+    for other, used in unsupported.items():
+        if used:
+            raise ConfigError(
+                f"--dynamic-parallelism does not run with {other} yet: drop one of them"
             )
 
 

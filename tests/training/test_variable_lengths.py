@@ -4,45 +4,29 @@ dp 1, give the same losses and gradients; pretrain_gpt.py trains with them end t
 resume at dp 1 goes on with the next samples; what cannot run with them yet is refused by
 name."""
 
-import json
 import math
-import os
-import runpy
 import shlex
-import sys
 
 import numpy as np
 import pytest
 from test_training_run import MODEL
 
 from megadyn.testing import run_pretrain, spawn
+from megadyn.testing.corpus import write_corpus
 from megadyn.training.arguments import parse_args
 from megadyn.training.config import ConfigError
-
-TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """200 documents of 2..40 counting tokens (so --seq-length 16 cuts many), preprocessed with
     tools/preprocess_data.py (NullTokenizer, EOD appended)."""
-    directory = tmp_path_factory.mktemp("varlen")
     rng = np.random.default_rng(0)
-    with open(directory / "docs.jsonl", "w") as f:
-        for _ in range(200):
-            start, n = int(rng.integers(0, 60)), int(rng.integers(2, 40))
-            text = " ".join(str((start + i) % 60) for i in range(n))
-            f.write(json.dumps({"text": text}) + "\n")
-    argv = ["preprocess_data.py", "--input", str(directory / "docs.jsonl"), "--no-progress"]
-    argv += ["--output-prefix", str(directory / "c"), "--tokenizer-type", "NullTokenizer"]
-    argv += ["--vocab-size", "60", "--append-eod"]
-    saved = sys.argv
-    try:
-        sys.argv = argv
-        runpy.run_path(os.path.join(TOOLS, "preprocess_data.py"), run_name="__main__")
-    finally:
-        sys.argv = saved
-    return str(directory / "c_text_document")
+    texts = []
+    for _ in range(200):
+        start, n = int(rng.integers(0, 60)), int(rng.integers(2, 40))
+        texts.append(" ".join(str((start + i) % 60) for i in range(n)))
+    return write_corpus(tmp_path_factory.mktemp("varlen"), texts, vocab_size=60)
 
 
 def flags(prefix: str) -> list[str]:
