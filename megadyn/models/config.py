@@ -91,7 +91,8 @@ class GPTConfig:
     """Which tokens each context-parallel rank holds (--cp-placement): 'static' (two chunks per
     rank, an early and a late one) or 'dynamic' (per micro batch, blocks of --cp-block-size
     tokens placed so that every rank's attention work under the causal and document masks is
-    equal; each rank receives only the key/value blocks it reads)."""
+    equal; each rank receives only the key/value blocks it reads) or 'static_blocks' (the
+    static split computed as dynamic's blocks: the comparison point of the balancing alone)."""
     cp_block_size: int = 1024
     """Tokens per block of --cp-placement dynamic (--cp-block-size); --seq-length must be a
     multiple of it times --context-parallel-size."""
@@ -123,7 +124,7 @@ class GPTConfig:
             ("attention_backend", ("auto", "flash", "fused", "unfused", "local")),
             ("tp_comm_overlap_transport", ("nccl", "copy-engine")),
             ("cp_comm_type", ("p2p", "all_gather")),
-            ("cp_placement", ("static", "dynamic")),
+            ("cp_placement", ("static", "dynamic", "static_blocks")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

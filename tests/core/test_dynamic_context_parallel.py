@@ -1,6 +1,7 @@
 """Dynamic context parallelism (--cp-placement dynamic) equals static cp and the single-process
 model: logits, loss and every gradient, on document-masked packed samples (and causal ones),
-at cp 2 and cp 4, with tp 2 and sequence parallelism, and with pp 2. One spawned job of 4
+at cp 2 and cp 4, with tp 2 and sequence parallelism, and with pp 2; and so does the static
+split computed blockwise (--cp-placement static_blocks). One spawned job of 4
 processes runs every case, through the training path (the pipeline's micro-batch steps, which
 place each micro batch's blocks, DDP over dp x cp, finalize_model_grads).
 
@@ -32,17 +33,19 @@ from tests.core.test_context_parallel import gathered_logits, packed
 
 SEQ, M, LAYERS, BLOCK = 16, 2, 2, 2
 ALL = [0, 1, 2, 3]
-CASES = [  # (layout, members, model variant, documents, also compared with static cp)
-    (Layout(cp=2), [0, 1], "llama", True, True),
-    (Layout(cp=2), [0, 1], "llama", False, False),  # RoPE at the placed positions
-    (Layout(cp=4), ALL, "gpt2", True, True),
-    (Layout(cp=4), ALL, "llama", True, False),
-    (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", True, False),
-    (Layout(cp=2, pp=2), ALL, "gpt2", True, False),
+CASES = [  # (layout, members, model variant, documents, also compared with static cp,
+    # --cp-placement)
+    (Layout(cp=2), [0, 1], "llama", True, True, "dynamic"),
+    (Layout(cp=2), [0, 1], "llama", False, False, "dynamic"),  # RoPE at the placed positions
+    (Layout(cp=4), ALL, "gpt2", True, True, "dynamic"),
+    (Layout(cp=4), ALL, "llama", True, False, "dynamic"),
+    (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", True, False, "dynamic"),
+    (Layout(cp=2, pp=2), ALL, "gpt2", True, False, "dynamic"),
+    (Layout(cp=2), [0, 1], "gpt2", True, False, "static_blocks"),
 ]
 
 
-def train_step(layout, members, variant, documents, dynamic: bool):
+def train_step(layout, members, variant, documents, placement: str):
     """(groups, chunks, cfg, batches, losses) of one step, gradients reduced; None off the
     layout."""
     groups = ParallelGroups.build(layout, members)
@@ -55,7 +58,8 @@ def train_step(layout, members, variant, documents, dynamic: bool):
     config = PipelineConfig(
         hidden_size=cfg.hidden_size,
         dtype=cfg.params_dtype,
-        cp_block_size=BLOCK if dynamic else None,
+        cp_block_size=None if placement == "static" else BLOCK,
+        cp_balance=placement == "dynamic",
     )
     losses = forward_backward(
         ddp, groups, iter(batches), M, config=config, loss_fn=lm_loss_for(groups.cp_group)
@@ -68,13 +72,13 @@ def train_step(layout, members, variant, documents, dynamic: bool):
     return groups, chunks, cfg, batches, losses
 
 
-def run_case(layout, members, variant, documents, with_static, references) -> None:
-    run = train_step(layout, members, variant, documents, dynamic=True)
-    static = train_step(layout, members, variant, documents, dynamic=False) if with_static else None
+def run_case(layout, members, variant, documents, with_static, placement, references) -> None:
+    run = train_step(layout, members, variant, documents, placement)
+    static = train_step(layout, members, variant, documents, "static") if with_static else None
     if run is None:
         return
     groups, chunks, cfg, batches, losses = run
-    what = f"{layout} {variant}" + (" documents" if documents else "")
+    what = f"{layout} {variant} {placement}" + (" documents" if documents else "")
     ref_model, ref_losses, ref_grads = references[(variant, documents)]
     grads = global_grads(chunks, groups, cfg)
     if groups.is_last_stage:
@@ -89,7 +93,8 @@ def run_case(layout, members, variant, documents, with_static, references) -> No
         s_groups.destroy()
     if layout.pp == 1:
         full = batches[0]
-        batch = split_batch_dynamic(full, groups.cp_rank, groups.cp_size, BLOCK)
+        balance = placement == "dynamic"
+        batch = split_batch_dynamic(full, groups.cp_rank, groups.cp_size, BLOCK, balance)
         with torch.no_grad():
             ref_logits = ref_model(
                 full["tokens"], full["position_ids"], document_ids=full.get("document_ids")

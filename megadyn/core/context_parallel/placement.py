@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megadyn.core.context_parallel.sequence import SEQUENCE_KEYS, local_positions
+from megadyn.core.context_parallel.sequence import SEQUENCE_KEYS, chunk_ids, local_positions
 
 FULL, CAUSAL, MASKED = "full", "causal", "masked"
 KINDS = (FULL, CAUSAL, MASKED)
@@ -149,18 +149,33 @@ def _assign(weights: list[float], cp: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def _static_blocks(num_blocks: int, cp: int) -> list[list[int]]:
+    """The static split's blocks per rank (sequence.py: chunks r and 2cp - 1 - r)."""
+    per_chunk = num_blocks // (2 * cp)
+    return [
+        [c * per_chunk + j for c in chunk_ids(r, cp) for j in range(per_chunk)] for r in range(cp)
+    ]
+
+
 def place_blocks(
-    seq_length: int, block_size: int, cp: int, document_ids: torch.Tensor | None = None
+    seq_length: int,
+    block_size: int,
+    cp: int,
+    document_ids: torch.Tensor | None = None,
+    balance: bool = True,
 ) -> BlockPlacement:
     """The placement of a micro batch whose samples have `document_ids` [b, S] (None: causal
-    attention over the whole sequence)."""
-    if seq_length % (block_size * cp):
+    attention over the whole sequence); with `balance` False the static split's blocks
+    (--cp-placement static_blocks: the comparison point of the balancing alone)."""
+    chunks = cp if balance else 2 * cp
+    if seq_length % (block_size * chunks):
         raise ValueError(
             f"--seq-length ({seq_length}) must be divisible by --cp-block-size ({block_size}) "
-            f"x --context-parallel-size ({cp}) under --cp-placement dynamic"
+            f"x {'' if balance else '2 x '}--context-parallel-size ({cp}) under --cp-placement "
+            + ("dynamic" if balance else "static_blocks")
         )
     per_block = token_work(seq_length, document_ids).view(-1, block_size).sum(1).tolist()
-    blocks = _assign(per_block, cp)
+    blocks = _assign(per_block, cp) if balance else _static_blocks(len(per_block), cp)
     first = last = None
     if document_ids is not None:
         tiles = document_ids.cpu().view(document_ids.shape[0], -1, block_size)  # [b, nb, N]
@@ -170,12 +185,14 @@ def place_blocks(
     return BlockPlacement(block_size, tuple(tuple(b) for b in blocks), work, kinds)
 
 
-def split_batch_dynamic(batch: dict, cp_rank: int, cp_size: int, block_size: int) -> dict:
+def split_batch_dynamic(
+    batch: dict, cp_rank: int, cp_size: int, block_size: int, balance: bool = True
+) -> dict:
     """`batch` cut to `cp_rank`'s blocks of its placement ([b, S] -> [b, S / cp]), with global
     `position_ids` added when absent and the placement under "cp_placement" (the whole
     sequence's `document_ids` stay whole)."""
     b, s = batch["tokens"].shape
-    placement = place_blocks(s, block_size, cp_size, batch.get("document_ids"))
+    placement = place_blocks(s, block_size, cp_size, batch.get("document_ids"), balance)
     out = dict(batch)
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(s, device=batch["tokens"].device).expand(b, s)

@@ -77,9 +77,11 @@ class MicroBatches:
         cp_rank: int = 0,
         cp_size: int = 1,
         cp_block_size: int | None = None,
+        cp_balance: bool = True,
     ):
         self._iterator, self._device = batches, device
         self._cp_rank, self._cp_size, self._cp_block_size = cp_rank, cp_size, cp_block_size
+        self._cp_balance = cp_balance
         self._drawn: dict[int, dict] = {}
         self._next = 0
 
@@ -89,7 +91,7 @@ class MicroBatches:
             if self._cp_block_size is not None and self._cp_size > 1:
                 # placed where the loader made it (the CPU): the ids are read there, no sync
                 batch = split_batch_dynamic(
-                    batch, self._cp_rank, self._cp_size, self._cp_block_size
+                    batch, self._cp_rank, self._cp_size, self._cp_block_size, self._cp_balance
                 )
                 placement = batch.pop("cp_placement")
                 batch = {k: v.to(self._device) for k, v in batch.items()}
@@ -147,7 +149,12 @@ class MicroBatchSteps:
         self.loss_scale = loss_scale  # fp16: the loss is multiplied by it before backward
         device = next(chunks[0].parameters()).device
         self.data = MicroBatches(
-            batches, device, groups.cp_rank, groups.cp_size, config.cp_block_size
+            batches,
+            device,
+            groups.cp_rank,
+            groups.cp_size,
+            config.cp_block_size,
+            config.cp_balance,
         )
         b, s = self.data.get(0)["tokens"].shape
         tp = groups.tp_size if groups.layout.sequence_parallel else 1
