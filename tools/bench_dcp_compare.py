@@ -8,16 +8,8 @@ attention and training steps of the reference GPT, in one process per rank
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
+from megadyn.bench import run_compare_tool
 from megadyn.bench.dcp_compare import main, parse, summarize
-from megadyn.launch.distributed_init import init_distributed
 
 if __name__ == "__main__":
-    c = parse()
-    if c.summarize:
-        print(summarize(c.summarize))
-    else:
-        device = init_distributed()
-        main(c, device)
-        dist.destroy_process_group()
+    run_compare_tool(parse, main, summarize)
