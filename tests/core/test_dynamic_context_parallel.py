@@ -38,7 +38,6 @@ CASES = [  # (layout, members, model variant, documents, also compared with stat
     (Layout(cp=2), [0, 1], "llama", True, True, "dynamic"),
     (Layout(cp=2), [0, 1], "llama", False, False, "dynamic"),  # RoPE at the placed positions
     (Layout(cp=4), ALL, "gpt2", True, True, "dynamic"),
-    (Layout(cp=4), ALL, "llama", True, False, "dynamic"),
     (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", True, False, "dynamic"),
     (Layout(cp=2, pp=2), ALL, "gpt2", True, False, "dynamic"),
     (Layout(cp=2), [0, 1], "gpt2", True, False, "static_blocks"),

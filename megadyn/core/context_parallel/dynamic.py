@@ -12,11 +12,16 @@ received blocks are kept for the backward, which computes the pairs on received 
 sends the gradients of those keys back to their owners while it computes the local pairs, and
 adds what comes back to the gradients of the rank's own keys and values.
 
-A pair of kind "full" or "causal" runs through kernels.py's block kernel (fused on the GPU);
-"masked" pairs (a document boundary inside) through blocks.py's math under the document mask.
+The pairs are gathered into kernel calls: per query block its diagonal block (causal), and
+per source of keys (this rank, or one peer) its wholly visible key blocks in one call (they are
+consecutive there: one document's run of blocks) and its masked ones in another. Unmasked
+calls run through kernels.py's block kernel (fused on the GPU); masked ones (a document
+boundary inside) through blocks.py's math under the document mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -74,25 +79,64 @@ def _wait(pending: list) -> None:
         work.wait()
 
 
-def _key_slices(placement, rank, receives, buffers) -> dict[int, tuple[torch.Tensor, slice]]:
-    """{key block: (tensor [2, b, g, *, d] holding it, its columns there)}."""
-    n = placement.block_size
-    where = {}
-    for i, k in enumerate(placement.blocks[rank]):
-        where[k] = ("own", slice(i * n, (i + 1) * n))
+def _key_slices(placement, rank, receives) -> dict[int, tuple[object, int]]:
+    """{key block: (where it is: "own" or the peer it came from, its index there)}."""
+    where = {k: ("own", i) for i, k in enumerate(placement.blocks[rank])}
     for peer, blocks in receives.items():
-        for j, k in enumerate(blocks):
-            where[k] = (peer, slice(j * n, (j + 1) * n))
+        where.update({k: (peer, j) for j, k in enumerate(blocks)})
     return where
 
 
-def _visible(document_ids, placement, q_block, k_block, kind):
-    """[b, 1, N, N] document mask of a masked pair (None otherwise)."""
-    if kind != MASKED:
+@dataclass(frozen=True)
+class _Call:
+    """One kernel call: query block `i` (local) on key blocks `keys` held in one `source`."""
+
+    i: int
+    source: object
+    """"own" (this rank's keys and values) or the peer whose blocks were received."""
+    keys: tuple[int, ...]
+    """Global key blocks, increasing."""
+    cols: object
+    """Their columns in the source: a slice when consecutive there, else an index tensor."""
+    causal: bool
+    """The diagonal block (local positions increase within it)."""
+    masked: bool
+    """A document boundary inside: the math kernel under the document mask."""
+
+
+def _calls(placement: BlockPlacement, rank: int, where: dict, device) -> list[_Call]:
+    """The pairs of `rank` gathered into kernel calls: per query block, its diagonal block, then
+    per source its wholly visible key blocks in one call and its masked ones in another; the
+    calls on this rank's own keys first."""
+    n, grouped = placement.block_size, {}
+    for i, k, kind in placement.pairs(rank):
+        diagonal = placement.blocks[rank][i] == k
+        grouped.setdefault((i, where[k][0], kind, diagonal), []).append(k)
+    calls = []
+    for (i, source, kind, diagonal), keys in grouped.items():
+        keys = sorted(keys)
+        at = [where[k][1] for k in keys]
+        if at == list(range(at[0], at[0] + len(at))):
+            cols = slice(at[0] * n, (at[-1] + 1) * n)
+        else:
+            cols = torch.cat([torch.arange(j * n, (j + 1) * n, device=device) for j in at])
+        calls.append(_Call(i, source, tuple(keys), cols, diagonal, kind == MASKED))
+    calls.sort(key=lambda c: (c.source != "own", not c.causal))
+    return calls
+
+
+def _take(x: torch.Tensor, cols) -> torch.Tensor:
+    """x [..., s, d] at columns `cols` (a slice or an index tensor) of dim -2."""
+    return x[..., cols, :] if isinstance(cols, slice) else x.index_select(-2, cols)
+
+
+def _visible(document_ids, placement, q_block: int, call: _Call):
+    """[b, 1, N, n_keys] document mask of a masked call (None otherwise)."""
+    if not call.masked:
         return None
     n = placement.block_size
     q_doc = document_ids[:, q_block * n : (q_block + 1) * n]
-    k_doc = document_ids[:, k_block * n : (k_block + 1) * n]
+    k_doc = torch.cat([document_ids[:, k * n : (k + 1) * n] for k in call.keys], dim=1)
     return (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1)
 
 
@@ -104,29 +148,27 @@ class _DynamicAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # [2, b, g, s, d]
         sends, receives = _exchange_plan(placement, rank)
         buffers, pending = _start(group, sends, receives, kv, placement, rank)
-        where = _key_slices(placement, rank, receives, buffers)
-        pairs = placement.pairs(rank)
-        local = [p for p in pairs if where[p[1]][0] == "own"]
-        remote = [p for p in pairs if where[p[1]][0] != "own"]
+        calls = _calls(placement, rank, _key_slices(placement, rank, receives), q.device)
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, n, s, d]
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for batch, wait in ((local, False), (remote, True)):
-            if wait:
+        waited = False
+        for call in calls:  # own keys first (the diagonal blocks first of all), then received
+            if call.source != "own" and not waited:
                 _wait(pending)
-            for i, kb, kind in batch:
-                source, cols = where[kb]
-                keys = kv if source == "own" else buffers[source]
-                rows = slice(i * n, (i + 1) * n)
-                visible = _visible(document_ids, placement, placement.blocks[rank][i], kb, kind)
-                forward, _ = block_kernels(q, kernel, masked=visible is not None)
-                diagonal = placement.blocks[rank][i] == kb  # causal; earlier key blocks are not
-                qb, kb_, vb = q[:, :, rows], keys[0][:, :, cols], keys[1][:, :, cols]
-                o, s = forward(qb, kb_, vb, diagonal, scale, visible)
-                merge_into(out[:, :, rows], lse[:, :, rows], o.to(acc), s.to(lse.dtype))
+                waited = True
+            keys = kv if call.source == "own" else buffers[call.source]
+            rows = slice(call.i * n, (call.i + 1) * n)
+            visible = _visible(document_ids, placement, placement.blocks[rank][call.i], call)
+            forward, _ = block_kernels(q, kernel, masked=visible is not None)
+            kb, vb = _take(keys[0], call.cols), _take(keys[1], call.cols)
+            o, s = forward(q[:, :, rows], kb, vb, call.causal, scale, visible)
+            merge_into(out[:, :, rows], lse[:, :, rows], o.to(acc), s.to(lse.dtype))
+        if not waited:
+            _wait(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *buffers.values())
-        ctx.peers = list(buffers)
+        ctx.peers, ctx.calls = list(buffers), calls
         ctx.group, ctx.placement, ctx.document_ids = group, placement, document_ids
         ctx.scale, ctx.kernel = scale, kernel
         return out
@@ -138,34 +180,37 @@ class _DynamicAttention(torch.autograd.Function):
         rank, n = dist.get_rank(group), placement.block_size
         buffers = dict(zip(ctx.peers, received))
         kv = torch.stack([k, v])
-        sends, receives = _exchange_plan(placement, rank)
-        where = _key_slices(placement, rank, receives, buffers)
+        sends, _ = _exchange_plan(placement, rank)
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         dremote = {
             peer: torch.zeros(b.shape, dtype=acc, device=q.device) for peer, b in buffers.items()
         }
-        pairs = placement.pairs(rank)
-        remote = [p for p in pairs if where[p[1]][0] != "own"]
-        local = [p for p in pairs if where[p[1]][0] == "own"]
         pending, returned = [], {}
+        remote = [c for c in ctx.calls if c.source != "own"]
+        local = [c for c in ctx.calls if c.source == "own"]
         for batch in (remote, local):
-            for i, kb, kind in batch:
-                source, cols = where[kb]
-                keys = kv if source == "own" else buffers[source]
-                grads = dkv if source == "own" else dremote[source]
-                rows = slice(i * n, (i + 1) * n)
-                qb_index = placement.blocks[rank][i]
-                visible = _visible(ctx.document_ids, placement, qb_index, kb, kind)
+            for call in batch:
+                keys = kv if call.source == "own" else buffers[call.source]
+                grads = dkv if call.source == "own" else dremote[call.source]
+                rows = slice(call.i * n, (call.i + 1) * n)
+                visible = _visible(
+                    ctx.document_ids, placement, placement.blocks[rank][call.i], call
+                )
                 _, backward = block_kernels(q, ctx.kernel, masked=visible is not None)
+                kb, vb = _take(keys[0], call.cols), _take(keys[1], call.cols)
                 dq_b, dk_b, dv_b = backward(
-                    dout[:, :, rows], q[:, :, rows], keys[0][:, :, cols], keys[1][:, :, cols],
-                    out[:, :, rows], lse[:, :, rows], qb_index == kb, ctx.scale, visible,
+                    dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows],
+                    call.causal, ctx.scale, visible,
                 )  # fmt: skip
                 dq[:, :, rows] += dq_b
-                grads[0][:, :, cols] += dk_b
-                grads[1][:, :, cols] += dv_b
+                if isinstance(call.cols, slice):
+                    grads[0][..., call.cols, :] += dk_b
+                    grads[1][..., call.cols, :] += dv_b
+                else:
+                    grads[0].index_add_(-2, call.cols, dk_b.to(acc))
+                    grads[1].index_add_(-2, call.cols, dv_b.to(acc))
             if batch is remote:  # the gradients of received keys go home while local pairs run
                 returned, pending = _start_return(group, sends, dremote, placement, rank, dkv)
         _wait(pending)
