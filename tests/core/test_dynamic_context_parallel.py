@@ -5,21 +5,25 @@ split computed blockwise (--cp-placement static_blocks). One spawned job of 4
 processes runs every case, through the training path (the pipeline's micro-batch steps, which
 place each micro batch's blocks, DDP over dp x cp, finalize_model_grads).
 
-The placement itself is a pure function, tested without processes: on a document-masked
+The same job checks the block attention alone against the dense document mask, through the
+math and the fused block kernels. The placement itself is a pure function, tested without processes: on a document-masked
 sample where the static split is imbalanced, every rank's attention work is within 10% of
 the mean.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from megadyn.core.context_parallel import split_batch_dynamic
+from megadyn.core.context_parallel import dynamic_attention, split_batch_dynamic
 from megadyn.core.context_parallel.placement import imbalance, place_blocks, static_work
 from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.pipeline import PipelineConfig, forward_backward
 from megadyn.models import GPTModel, build_gpt_chunks, init_chunk, lm_loss_for
+from megadyn.models.document_attention import dense_document_mask
 from megadyn.testing import spawn
 from tests.core.pipeline_helpers import (
     SEED,
@@ -102,7 +106,37 @@ def run_case(layout, members, variant, documents, with_static, placement, refere
     groups.destroy()
 
 
+def check_attention_kernels(rank, world) -> None:
+    """dynamic_attention alone, output and q/k/v gradients, against the dense document mask,
+    through the math and the fused (CPU flash) block kernels, grouped queries."""
+    torch.manual_seed(0)
+    seq, block, b, heads, groups, d = 32, 2, 2, 4, 2, 8
+    q, k, v = (
+        torch.randn(b, heads, seq, d),
+        torch.randn(b, groups, seq, d),
+        torch.randn(b, groups, seq, d),
+    )
+    ids = torch.zeros(b, seq, dtype=torch.long)
+    ids[0, 5:] += 1
+    ids[0, 20:] += 1
+    ids[1, 14:] += 1
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, attn_mask=dense_document_mask(ids), enable_gqa=True)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    placement = place_blocks(seq, block, world, ids)
+    index = placement.token_index(rank)
+    for kernel in ("math", "flash"):
+        mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        out = dynamic_attention(*mine, dist.group.WORLD, placement, ids, kernel=kernel)
+        out.backward(grad[:, :, index])
+        assert_rel(out, ref[:, :, index], f"{kernel} out")
+        for name, t, r in zip("qkv", mine, full):
+            assert_rel(t.grad, r.grad[:, :, index], f"{kernel} d{name}")
+
+
 def body(rank, world):
+    check_attention_kernels(rank, world)
     references = {}
     for variant, documents in [("gpt2", True), ("llama", False), ("llama", True)]:
         model = GPTModel(make_cfg(variant, LAYERS, seq=SEQ, reset_position_ids=documents))
