@@ -86,15 +86,13 @@ class BlockPlacement:
 
     def pairs(self, rank: int) -> list[tuple[int, int, str]]:
         """(local query block, key block, kind) that `rank` computes: each of its query blocks
-        with every key block holding a visible pair, its own block first (computed once)."""
+        with every key block holding a visible pair, in increasing order (computed once)."""
         if rank not in self._pairs:
-            out = []
-            for i, q in enumerate(self.blocks[rank]):
-                row = self.kinds[q].tolist()
-                for k in [q] + list(range(q)):
-                    if row[k]:
-                        out.append((i, k, KINDS[row[k] - 1]))
-            self._pairs[rank] = out
+            rows = self.kinds[list(self.blocks[rank])]  # [own blocks, S / N]
+            i, k = rows.nonzero(as_tuple=True)
+            kinds = rows[i, k].tolist()
+            pairs = zip(i.tolist(), k.tolist(), kinds)
+            self._pairs[rank] = [(a, b, KINDS[c - 1]) for a, b, c in pairs]
         return self._pairs[rank]
 
 
