@@ -20,6 +20,7 @@ def test_samples_are_skewed_packed_documents_the_same_on_every_call():
 
 def test_summary_lists_rows_and_dynamic_speedups(tmp_path):
     base = dict(part="attention", seq=32768, block=1024, documents=9, longest=20000)
+    base.update(work=[2e6, 2.1e6])
     recs = [
         dict(base, sample=0, row="ring", ms=30.0, imbalance=0.4, kv_received=[1, 1]),
         dict(base, sample=0, row="dynamic", ms=10.0, imbalance=0.01, kv_received=[0.5, 0.25]),
@@ -30,6 +31,6 @@ def test_summary_lists_rows_and_dynamic_speedups(tmp_path):
     path = tmp_path / "dcp.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     table = summarize(str(path))
-    assert "| 0 | 9 | 20000 | dynamic | 10.0 | 1.0% | 0.50 0.25 |" in table
+    assert "| 0 | 9 | 20000 | dynamic | 10.0 | 2.0 2.1 | 1.0% | 0.50 0.25 |" in table
     assert "| 0 | 3.000 | 1.250 |" in table and "| median | 3.000 | 1.250 |" in table
     assert "| dynamic | 5,000 | 6.5 | 60 |" in table and "| static | oom | - | - |" in table

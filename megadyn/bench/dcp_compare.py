@@ -13,7 +13,8 @@ on every rank. Two parts, each record appended to `--out`:
   document-masked blocks run through the math kernels), `static_blocks` (the static split
   computed as dynamic's blocks) and `dynamic` (the balanced placement). Each record has the
   median time (the slowest rank's), every rank's attention work (visible query/key pairs) and
-  its imbalance, and the key/value bytes each rank received.
+  its imbalance (largest distance from the mean), and the key/value blocks each rank received
+  (in units of its own: the ring's is cp - 1).
 - e2e: training steps of the reference GPT (megadyn/bench/gpt.py's flags after ours) at
   `--seq` with each of `--e2e-rows` placements: tokens/s per GPU.
 
@@ -192,14 +193,16 @@ def summarize(path: str) -> str:
     att = [r for r in recs if r["part"] == "attention"]
     att.sort(key=lambda r: (r["sample"], ATTENTION_ROWS.index(r["row"])))
     lines = [
-        "| sample | docs | longest | row | attention ms (fwd+bwd) | work imbalance | kv received |",
-        "|---|---|---|---|---|---|---|",
+        "| sample | docs | longest | row | attention ms (fwd+bwd) | work per rank (M pairs) "
+        "| work imbalance | kv received |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in att:
         ms = r.get("ms", "oom" if r.get("oom") else r.get("skipped", r.get("error", "-")))
         kv = " ".join(f"{x:.2f}" for x in r["kv_received"])
+        work = " ".join(f"{w / 1e6:.1f}" for w in r["work"])
         lines.append(
-            f"| {r['sample']} | {r['documents']} | {r['longest']} | {r['row']} | {ms} "
+            f"| {r['sample']} | {r['documents']} | {r['longest']} | {r['row']} | {ms} | {work} "
             f"| {r['imbalance']:.1%} | {kv} |"
         )
     ms = {(r["sample"], r["row"]): r.get("ms") for r in att}

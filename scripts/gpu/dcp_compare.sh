@@ -11,13 +11,13 @@
 #   2. training steps of the 1.42B model (24 layers, hidden 2048, 16 heads), seq 32768, cp 2,
 #      full recomputation, 2 micro batches per step: tokens/s per GPU for the same rows
 # Writes OUTDIR/dcp.jsonl (records), dcp.md (tables) and rows.log.
-# Usage: bash scripts/gpu/dcp_compare.sh OUTDIR              (about 3-4 minutes)
+# Usage: bash scripts/gpu/dcp_compare.sh OUTDIR              (under 4 minutes: BUDGET_S + 75 s at most)
 #        TINY=1 bash scripts/gpu/dcp_compare.sh /tmp/d         (CPU: the flow only, ~1 minute)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_dcp}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-BUDGET_S=${BUDGET_S:-200}  # seconds for the runs; later ones are recorded as skipped
+BUDGET_S=${BUDGET_S:-150}  # seconds for the runs; later ones are recorded as skipped
 if [ "${TINY:-0}" = 1 ]; then
   export OMP_NUM_THREADS=1
   ARGS=(--seq 1024 --documents 128:1.2 --block 64 --samples 2 --heads 2 --head-dim 16 --iters 2
@@ -29,7 +29,7 @@ else
     --e2e-iters 2 --e2e-warmup 1 --tokens 65536)
 fi
 rm -f "$OUT/dcp.jsonl"
-timeout $((BUDGET_S + 90)) torchrun --standalone --nproc-per-node 2 tools/bench_dcp_compare.py \
+timeout $((BUDGET_S + 75)) torchrun --standalone --nproc-per-node 2 tools/bench_dcp_compare.py \
   --out "$OUT/dcp.jsonl" --budget-s "$BUDGET_S" "${ARGS[@]}" > "$OUT/rows.log" 2>&1 \
   || { echo "rows: exit $? (see rows.log)"; grep -v '^{' "$OUT/rows.log" | tail -15; }
 python3 tools/bench_dcp_compare.py --summarize "$OUT/dcp.jsonl" | tee "$OUT/dcp.md"
