@@ -11,7 +11,7 @@ from megadyn.testing import spawn
 TINY = "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --mbs 2 --gbs 4".split()
 FIELDS = [
     "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "sp", "cp", "cp_comm_type",
-    "cuda_graph", "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "fp8", "attn",
+    "cp_placement", "cp_block_size", "documents", "cuda_graph", "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "fp8", "attn",
     "attention_backend", "recompute", "layers", "hidden", "seq", "mbs", "gbs", "iter_s",
     "iters_s", "warmup_iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib",
 ]  # fmt: skip
@@ -39,10 +39,13 @@ def _bench(rank, world, flags):
 @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2)])
 def test_the_record_has_the_reference_fields(tp, cp):
     flags = TINY + ["--tp", str(tp), "--cp", str(cp), "--iters", "2", "--warmup", "1"]
+    if cp > 1:  # on packed documents, placed per micro batch
+        flags += ["--documents", "8:1", "--cp-placement", "dynamic", "--cp-block-size", "4"]
     (first, left), (second, _) = spawn(_bench, world=2, args=(flags,))
     assert left == 0  # the job (weights, buffers, optimizer) is gone after the run
     assert list(first) == FIELDS
     assert (first["tp"], first["cp"], first["dp"], first["gbs"]) == (tp, cp, 2 // (tp * cp), 4)
+    assert first["cp_placement"] == ("dynamic" if cp > 1 else None)
     assert len(first["iters_s"]) == 2 and len(first["warmup_iter_s"]) == 1
     assert first["tokens_per_s_per_gpu"] > 0
     assert first["peak_mem_gib"] == second["peak_mem_gib"] == 0.0  # no CUDA memory on CPU

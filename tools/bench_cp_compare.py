@@ -7,16 +7,8 @@ row in one process per rank (megadyn/bench/cp_compare.py); or the markdown table
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
+from megadyn.bench import run_compare_tool
 from megadyn.bench.cp_compare import main, parse, summarize
-from megadyn.launch.distributed_init import init_distributed
 
 if __name__ == "__main__":
-    c = parse()
-    if c.summarize:
-        print(summarize(c.summarize))
-    else:
-        device = init_distributed()
-        main(c, device)
-        dist.destroy_process_group()
+    run_compare_tool(parse, main, summarize)

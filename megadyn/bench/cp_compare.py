@@ -69,11 +69,11 @@ def row_args(row: str, seq: int, c: argparse.Namespace, recompute: str = "none")
     )
 
 
-def run_row(row: str, seq: int, c, device, recompute: str = "none") -> dict:
-    """One run's record ({"oom": True} when it ran out of memory), its memory freed after."""
-    a = row_args(row, seq, c, recompute)
+def guarded(device, run, *args) -> dict:
+    """The record `run(*args)` returns, or {"oom": True} when it ran out of memory, or its
+    error; its memory on `device` freed after."""
     try:
-        rec = run_torch_cp_bench(a, device) if ROWS[row] is None else run_gpt_bench(a, device)
+        rec = run(*args)
     except torch.OutOfMemoryError as err:
         rec = dict(oom=True, error=str(err).splitlines()[0])
     except Exception as err:  # an unsupported shape or kernel fails on every rank alike
@@ -81,6 +81,14 @@ def run_row(row: str, seq: int, c, device, recompute: str = "none") -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return rec
+
+
+def run_row(row: str, seq: int, c, device, recompute: str = "none") -> dict:
+    """One run's record ({"oom": True} when it ran out of memory), its memory freed after."""
+    a = row_args(row, seq, c, recompute)
+    bench = run_torch_cp_bench if ROWS[row] is None else run_gpt_bench
+    rec = guarded(device, bench, a, device)
     return dict(rec, row=row, seq=seq, recompute=recompute)
 
 

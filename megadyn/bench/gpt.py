@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megadyn.bench.documents import skewed_document_ids
 from megadyn.bench.trace_overlap import summarize, write_kernels_csv
 from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.groups import ParallelGroups
@@ -51,6 +52,16 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--sp", action="store_true", help="sequence parallel")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p")
+    p.add_argument(
+        "--cp-placement", choices=["static", "dynamic", "static_blocks"], default="static"
+    )
+    p.add_argument("--cp-block-size", type=int, default=1024)
+    p.add_argument(
+        "--documents",
+        default=None,
+        metavar="MEDIAN:SIGMA",
+        help="document-masked samples, document lengths log-normal (megadyn/bench/documents.py)",
+    )
     p.add_argument(
         "--attn", choices=["sdpa", "local"], default="sdpa", help="megadyn always uses sdpa"
     )
@@ -139,6 +150,8 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport,
         cp_comm_type=a.cp_comm_type,
+        cp_placement=a.cp_placement,
+        cp_block_size=a.cp_block_size,
         fp8_format=a.fp8_format,
         fp8_recipe=a.fp8_recipe,
     )
@@ -172,13 +185,21 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
 
 
 def random_batches(a: argparse.Namespace, dp_rank: int, device):
-    """Micro batches of random tokens, different on each data-parallel rank."""
+    """Micro batches of random tokens, different on each data-parallel rank; with
+    `--documents MEDIAN:SIGMA` packed documents of log-normal lengths (their `document_ids`
+    made on the CPU, where the dynamic cp placement reads them)."""
     gen = torch.Generator(device=device).manual_seed(dp_rank + 7)
+    docs = torch.Generator().manual_seed(dp_rank + 11)
     pos = torch.arange(a.seq, device=device).unsqueeze(0).expand(a.mbs, -1)
     ones = torch.ones(a.mbs, a.seq, device=device)
     while True:
         tok = torch.randint(0, a.vocab, (a.mbs, a.seq + 1), device=device, generator=gen)
-        yield dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=ones, position_ids=pos)
+        batch = dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=ones, position_ids=pos)
+        if a.documents:
+            median, sigma = (float(x) for x in a.documents.split(":"))
+            ids = [skewed_document_ids(a.seq, docs, median, sigma) for _ in range(a.mbs)]
+            batch["document_ids"] = torch.stack(ids)  # [b, S]
+        yield batch
 
 
 def _loss(loss, batch):
@@ -281,6 +302,9 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         sp=a.sp,
         cp=a.cp,
         cp_comm_type=a.cp_comm_type if a.cp > 1 else None,
+        cp_placement=a.cp_placement if a.cp > 1 else None,
+        cp_block_size=a.cp_block_size if a.cp > 1 and a.cp_placement != "static" else None,
+        documents=a.documents,
         cuda_graph=a.cuda_graph,
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,

@@ -87,6 +87,15 @@ class GPTConfig:
     """How attention reaches the keys and values of the other context-parallel ranks
     (--cp-comm-type, Megatron's names): 'p2p' (a ring of exchanges overlapped with blockwise
     attention) or 'all_gather' (gather the whole sequence's keys and values once per layer)."""
+    cp_placement: str = "static"
+    """Which tokens each context-parallel rank holds (--cp-placement): 'static' (two chunks per
+    rank, an early and a late one) or 'dynamic' (per micro batch, blocks of --cp-block-size
+    tokens placed so that every rank's attention work under the causal and document masks is
+    equal; each rank receives only the key/value blocks it reads) or 'static_blocks' (the
+    static split computed as dynamic's blocks: the comparison point of the balancing alone)."""
+    cp_block_size: int = 1024
+    """Tokens per block of --cp-placement dynamic (--cp-block-size); --seq-length must be a
+    multiple of it times --context-parallel-size."""
     fp8_format: str | None = None
     """FP8 GEMMs in the transformer blocks' linear layers (--fp8-format): 'e4m3' (every
     operand float8_e4m3fn) or 'hybrid' (e4m3 forward, e5m2 gradients); None: the model's
@@ -115,6 +124,7 @@ class GPTConfig:
             ("attention_backend", ("auto", "flash", "fused", "unfused", "local")),
             ("tp_comm_overlap_transport", ("nccl", "copy-engine")),
             ("cp_comm_type", ("p2p", "all_gather")),
+            ("cp_placement", ("static", "dynamic", "static_blocks")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -75,19 +75,25 @@ def document_block_mask(document_ids: torch.Tensor, block: int = BLOCK) -> Block
 class DocumentMask:
     """One micro batch's documents in the form its attention kernel takes."""
 
-    document_ids: torch.Tensor
-    """[b, s] document index of each token (the whole sequence under context parallelism)."""
+    document_ids: torch.Tensor | None
+    """[b, s] document index of each token (the whole sequence under context parallelism);
+    None under --cp-placement dynamic without --reset-attention-mask (causal only)."""
     block_mask: BlockMask | None = None
     """flex_attention's block mask (CUDA)."""
     dense: torch.Tensor | None = None
     """[b, 1, s, s] bool mask for scaled_dot_product_attention (elsewhere)."""
+    cp_placement: object | None = None
+    """Under --cp-placement dynamic: the micro batch's `BlockPlacement`
+    (megadyn/core/context_parallel/placement.py), which the attention's blocks follow."""
 
     @classmethod
-    def build(cls, document_ids: torch.Tensor, context_parallel: bool = False) -> DocumentMask:
+    def build(
+        cls, document_ids: torch.Tensor | None, context_parallel: bool = False, cp_placement=None
+    ) -> DocumentMask:
         """The mask of `document_ids`; under context parallelism the ids alone (the ring and
-        all-gather attention mask the blocks they compute)."""
+        all-gather attention mask the blocks they compute), with the dynamic placement if any."""
         if context_parallel:
-            return cls(document_ids)
+            return cls(document_ids, cp_placement=cp_placement)
         if document_ids.is_cuda:
             return cls(document_ids, block_mask=document_block_mask(document_ids))
         return cls(document_ids, dense=dense_document_mask(document_ids))

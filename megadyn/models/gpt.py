@@ -170,12 +170,12 @@ class GPTModel(nn.Module):
         cp = group_size(self.cp_group)
         return local_positions(seq_len * cp, group_rank(self.cp_group), cp, device)
 
-    def rope(self, seq_len: int, device, position_ids=None) -> tuple | None:
+    def rope(self, seq_len: int, device, position_ids=None, dynamic_cp: bool = False):
         """Rotary tables of this rank's `seq_len` tokens (their global positions under cp); of
-        each sample's `position_ids` [b, s] under --reset-position-ids."""
+        each sample's `position_ids` [b, s] under --reset-position-ids and dynamic cp."""
         if self.cfg.position_embedding_type != "rope":
             return None
-        if self.cfg.reset_position_ids and position_ids is not None:
+        if (self.cfg.reset_position_ids or dynamic_cp) and position_ids is not None:
             cfg = self.cfg
             return rope_tables(
                 seq_len, cfg.head_dim, cfg.rotary_base, device, cfg.params_dtype, position_ids
@@ -196,23 +196,31 @@ class GPTModel(nn.Module):
         return self._rope_cache
 
     def forward(
-        self, tokens=None, position_ids=None, labels=None, hidden_states=None, document_ids=None
+        self,
+        tokens=None,
+        position_ids=None,
+        labels=None,
+        hidden_states=None,
+        document_ids=None,
+        cp_placement=None,
     ):
         """Returns per-token loss [b, s] (last stage, with labels), logits [s, b, V/tp] (last
         stage, no labels) or hidden states [s(/tp), b, h] (other stages). Under context
         parallelism the tokens are this rank's part of the sequence (context_parallel's
         `split_batch`) and `position_ids`, if given, their global positions. `document_ids`
         [b, S] (--reset-attention-mask; the whole sequence's under cp) keeps attention within
-        each document."""
+        each document. `cp_placement` (--cp-placement dynamic; context_parallel's
+        `split_batch_dynamic`) says which blocks of the sequence this rank's tokens are."""
         if self.pre_process and position_ids is None and self.cp_group is not None:
             position_ids = self.local_positions(tokens.shape[1], tokens.device).expand_as(tokens)
         x = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         seq_len = x.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         layers = list(self.decoder.layers.values())
         documents = None
-        if document_ids is not None:
-            documents = DocumentMask.build(document_ids, context_parallel=self.cp_group is not None)
-        rope = self.rope(seq_len, x.device, position_ids)
+        if document_ids is not None or cp_placement is not None:
+            cp = self.cp_group is not None
+            documents = DocumentMask.build(document_ids, cp, cp_placement if cp else None)
+        rope = self.rope(seq_len, x.device, position_ids, dynamic_cp=cp_placement is not None)
         x = run_layers(layers, x, self.recompute_cfg, self.tracker, rope=rope, documents=documents)
         if not self.post_process:
             return x

@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megadyn.core.context_parallel import context_parallel_attention
+from megadyn.core.context_parallel import (
+    context_parallel_attention,
+    dynamic_attention,
+    kernel_for_backend,
+)
 from megadyn.core.recompute import RecomputeConfig, recompute
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -117,6 +121,13 @@ class SelfAttention(nn.Module):
         fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         if self.cp_group is not None:
             ids = None if documents is None else documents.document_ids
+            if documents is not None and documents.cp_placement is not None:
+                if p > 0.0:
+                    raise ValueError("--attention-dropout must be 0 with --cp-placement dynamic")
+                kernel = kernel_for_backend(self.cfg.attention_backend)
+                return dynamic_attention(
+                    q, k, v, self.cp_group, documents.cp_placement, ids, kernel=kernel
+                )
             with fork or contextlib.nullcontext():  # the cp masks' seed (context_parallel/)
                 return context_parallel_attention(
                     q,

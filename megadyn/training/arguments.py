@@ -125,6 +125,8 @@ def _add_network_args(p: argparse.ArgumentParser) -> None:
     m("--tp-comm-overlap", action="store_true")
     m("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"])
     m("--cp-comm-type", choices=["p2p", "all_gather"])
+    m("--cp-placement", choices=["static", "dynamic", "static_blocks"])
+    m("--cp-block-size", type=int)
     m("--fp8-format", choices=["e4m3", "hybrid"])
     m("--fp8-recipe", choices=["tensorwise", "rowwise"])
     m("--cross-entropy-loss-fusion", "fused_loss", action="store_const", const=True)

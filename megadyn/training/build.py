@@ -90,6 +90,8 @@ def build_model_parts(
         hidden_size=model_cfg.hidden_size,
         dtype=model_cfg.params_dtype,
         scatter_gather_tensors_in_pipeline=p.scatter_gather_tensors_in_pipeline,
+        cp_block_size=None if model_cfg.cp_placement == "static" else model_cfg.cp_block_size,
+        cp_balance=model_cfg.cp_placement == "dynamic",
     )
     return ModelParts(tracker, chunks, ddp, optimizer, pipeline_cfg)
 

@@ -111,11 +111,40 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
     if layout.cp == 1:
         if cfg.model.cp_comm_type != "p2p":
             raise ConfigError("--cp-comm-type applies to --context-parallel-size > 1")
+        if cfg.model.cp_placement != "static":
+            raise ConfigError(
+                f"--cp-placement {cfg.model.cp_placement} applies to --context-parallel-size > 1"
+            )
         return
+    _validate_dynamic_placement(cfg, layout)
     for other in context_parallel_conflicts(cfg):
         raise ConfigError(
             f"--context-parallel-size > 1 does not run with {other} yet: drop one of them"
         )
+
+
+def _validate_dynamic_placement(cfg: MegadynConfig, layout: Layout) -> None:
+    """--cp-placement dynamic (and static_blocks): whole blocks per rank, its own exchange,
+    no attention dropout."""
+    m = cfg.model
+    if m.cp_placement == "static":
+        return
+    block, seq = m.cp_block_size, cfg.data.seq_length
+    tp = layout.tp if layout.sequence_parallel else 1
+    chunks = layout.cp * (1 if m.cp_placement == "dynamic" else 2)
+    if block < 1 or seq % (block * chunks) or block % tp:
+        raise ConfigError(
+            f"--cp-block-size ({block}) x {chunks} must divide --seq-length ({seq}), and be a "
+            "multiple of --tensor-model-parallel-size under --sequence-parallel, with "
+            f"--cp-placement {m.cp_placement} and --context-parallel-size {layout.cp}"
+        )
+    if m.cp_comm_type != "p2p":
+        raise ConfigError(
+            f"--cp-comm-type all_gather does not run with --cp-placement {m.cp_placement} "
+            "(which sends each rank the key/value blocks it reads): drop one of them"
+        )
+    if m.attention_dropout > 0:
+        raise ConfigError(f"--cp-placement {m.cp_placement} needs --attention-dropout 0")
 
 
 def _validate_document_masking(cfg: MegadynConfig) -> None:

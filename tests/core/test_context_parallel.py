@@ -82,10 +82,13 @@ RECOMPUTE = [  # the ring's exchanges run again in the backward pass; on ranks 0
 
 
 def gathered_logits(model, batch, groups) -> torch.Tensor:
-    """Logits [S, b, V] of the whole sequence, from every tp and cp rank's pieces."""
+    """Logits [S, b, V] of the whole sequence, from every tp and cp rank's pieces (those of
+    its dynamic placement when `batch` has one, --cp-placement dynamic)."""
+    placement = batch.get("cp_placement")
+    extra = {} if placement is None else {"cp_placement": placement}
     with torch.no_grad():  # [s/cp, b, V/tp]
         local = model(
-            batch["tokens"], batch["position_ids"], document_ids=batch.get("document_ids")
+            batch["tokens"], batch["position_ids"], document_ids=batch.get("document_ids"), **extra
         )
     pieces = [None] * groups.tp_size
     dist.all_gather_object(pieces, local, group=groups.tp_group)
@@ -94,7 +97,10 @@ def gathered_logits(model, batch, groups) -> torch.Tensor:
     dist.all_gather_object(pieces, local, group=groups.cp_group)
     full = torch.empty((SEQ,) + local.shape[1:])
     for r, piece in enumerate(pieces):
-        full[local_positions(SEQ, r, groups.cp_size)] = piece
+        if placement is None:
+            full[local_positions(SEQ, r, groups.cp_size)] = piece
+        else:
+            full[placement.token_index(r)] = piece
     return full
 
 

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-backend",
-    "--attention-dropout", "--context-parallel-size", "--cp-comm-type",
+    "--attention-dropout", "--context-parallel-size", "--cp-block-size", "--cp-comm-type",
+    "--cp-placement",
     "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
     "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion",

@@ -59,6 +59,13 @@ def test_document_flags_reach_the_config_and_run_under_cp():
         ("--context-parallel-size 0", 2, "--context-parallel-size"),
         ("--cp-comm-type all_gather", 2, "--cp-comm-type"),
         ("--context-parallel-size 2 --cp-comm-type a2a", 2, "--cp-comm-type"),
+        ("--cp-placement dynamic", 2, "--cp-placement"),
+        ("--context-parallel-size 2 --cp-placement dynamic --cp-block-size 3", 2,
+         "--cp-block-size"),
+        ("--context-parallel-size 2 --cp-placement dynamic --cp-block-size 4 "
+         "--cp-comm-type all_gather", 2, "--cp-comm-type"),
+        ("--context-parallel-size 2 --cp-placement dynamic --cp-block-size 4 "
+         "--attention-dropout 0.1", 2, "--cp-placement"),
         ("--reset-attention-mask --attention-dropout 0.1", 1, "--reset-attention-mask"),
         ("--reset-attention-mask --enable-cuda-graph --hidden-dropout 0", 1,
          "--reset-attention-mask"),

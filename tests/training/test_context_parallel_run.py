@@ -1,7 +1,7 @@
 """pretrain_gpt.py's job with context parallelism trains like cp 1: at cp 2 with the
 distributed optimizer sharded over dp x cp, after a resume at cp 1 from its checkpoint, across
 live changes tp 2 -> cp 2 -> dp 2 (tools/elastic_ctl.py's requests), and with the document
-flags on packed mock samples; with attention dropout, cp 2 draws the same masks in every run
+flags on packed mock samples (also with --cp-placement dynamic); with attention dropout, cp 2 draws the same masks in every run
 and under recomputation."""
 
 import os
@@ -64,8 +64,11 @@ DOCUMENT_FLAGS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-
 
 
 def test_document_flags_train_alike_at_cp2_and_change_the_losses(single):
+    """Also under --cp-placement dynamic (blocks of 2 tokens placed per micro batch)."""
     masked = train(1, *DOCUMENT_FLAGS)
     close(train(2, "--context-parallel-size", "2", *DOCUMENT_FLAGS), masked)
+    dynamic = ("--cp-placement", "dynamic", "--cp-block-size", "2")
+    close(train(2, "--context-parallel-size", "2", *dynamic, *DOCUMENT_FLAGS), masked)
     assert all(abs(a - b) > 1e-4 for a, b in zip(masked, single))
 
 

@@ -3,6 +3,11 @@
     batch = split_batch(batch, groups.cp_rank, groups.cp_size)   # the data: two chunks per rank
     out = context_parallel_attention(q, k, v, groups.cp_group, "p2p")  # in the attention layer
 
+Under --cp-placement dynamic (placement.py, dynamic.py) the split is chosen per micro batch
+instead: blocks of --cp-block-size tokens placed so that every rank's attention work is equal.
+
+    batch = split_batch_dynamic(batch, groups.cp_rank, groups.cp_size, block_size)
+
 Layers other than attention work on their tokens alone, so only attention (and the loss, which
 is summed over the cp group) knows the sequence is split. Weights are replicated over cp;
 gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
@@ -11,7 +16,13 @@ gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
 from megadyn.core.context_parallel.all_gather import all_gather_attention
 from megadyn.core.context_parallel.comm import RingExchange, all_reduce_sum
 from megadyn.core.context_parallel.dropout import block_dropout, call_seed
+from megadyn.core.context_parallel.dynamic import dynamic_attention
 from megadyn.core.context_parallel.kernels import block_kernels, kernel_for_backend
+from megadyn.core.context_parallel.placement import (
+    BlockPlacement,
+    place_blocks,
+    split_batch_dynamic,
+)
 from megadyn.core.context_parallel.ring import ring_attention
 from megadyn.core.context_parallel.sequence import (
     chunk_ids,
@@ -50,6 +61,10 @@ def context_parallel_attention(
 
 
 __all__ = [
+    "BlockPlacement",
+    "dynamic_attention",
+    "place_blocks",
+    "split_batch_dynamic",
     "CP_COMM_TYPES",
     "RingExchange",
     "all_gather_attention",

@@ -24,6 +24,13 @@ class PipelineConfig:
     """Without sequence parallelism, each tp rank sends 1/tp of an activation (or gradient) to
     its peer of the next stage, which all-gathers it over tp (PTD-P paper, section 4.1)
     (off: --no-scatter-gather-tensors-in-pipeline)."""
+    cp_block_size: int | None = None
+    """Under context parallelism, the block size of --cp-placement dynamic: each micro batch's
+    sequence is placed over the cp ranks in blocks of this many tokens (context_parallel's
+    placement.py); None: the static split (--cp-placement static)."""
+    cp_balance: bool = True
+    """With `cp_block_size`: balance each micro batch's attention work (--cp-placement
+    dynamic); False: the static split's blocks (--cp-placement static_blocks)."""
     deallocate_pipeline_outputs: bool = True
     """Free the data of an activation once it is sent, keeping only its autograd graph
     (Megatron's `deallocate_output_tensor`); the backward then goes through the engine

@@ -9,7 +9,8 @@ The schedules (schedules.py, interleaved.py) only decide the order of these call
 communication between them; they hold no tensors themselves.
 
 A batch is a dict of [b, s] tensors: `tokens`, `position_ids`, `labels`, `loss_mask` (and
-`document_ids` [b, S] under --reset-attention-mask, kept whole under cp). Every
+`document_ids` [b, S] under --reset-attention-mask, kept whole under cp; `cp_placement` under
+--cp-placement dynamic, passed to every chunk). Every
 pipeline rank draws every micro batch from its iterator (in order, once) and, under context
 parallelism, keeps its cp rank's part of each sequence (context_parallel's `split_batch`); the
 first virtual
@@ -33,7 +34,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 from torch.autograd import Variable
 
-from megadyn.core.context_parallel import split_batch
+from megadyn.core.context_parallel import split_batch, split_batch_dynamic
 from megadyn.core.pipeline.config import PipelineConfig
 from megadyn.core.pipeline.p2p import P2PCommunicator
 
@@ -66,19 +67,39 @@ class LiveGraphs:
 
 class MicroBatches:
     """The micro batches of one step, drawn in order and dropped when the last chunk is done;
-    each cut to cp rank `cp_rank`'s part of its sequences (all of them with cp_size 1)."""
+    each cut to cp rank `cp_rank`'s part of its sequences (all of them with cp_size 1): the
+    static split, or with `cp_block_size` the micro batch's dynamic placement."""
 
-    def __init__(self, batches: Iterator[dict], device, cp_rank: int = 0, cp_size: int = 1):
+    def __init__(
+        self,
+        batches: Iterator[dict],
+        device,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        cp_block_size: int | None = None,
+        cp_balance: bool = True,
+    ):
         self._iterator, self._device = batches, device
-        self._cp_rank, self._cp_size = cp_rank, cp_size
+        self._cp_rank, self._cp_size, self._cp_block_size = cp_rank, cp_size, cp_block_size
+        self._cp_balance = cp_balance
         self._drawn: dict[int, dict] = {}
         self._next = 0
 
     def get(self, index: int) -> dict:
         while self._next <= index:
             batch = next(self._iterator)
-            batch = {k: v.to(self._device) for k, v in batch.items()}
-            self._drawn[self._next] = split_batch(batch, self._cp_rank, self._cp_size)
+            if self._cp_block_size is not None and self._cp_size > 1:
+                # placed where the loader made it (the CPU): the ids are read there, no sync
+                batch = split_batch_dynamic(
+                    batch, self._cp_rank, self._cp_size, self._cp_block_size, self._cp_balance
+                )
+                placement = batch.pop("cp_placement")
+                batch = {k: v.to(self._device) for k, v in batch.items()}
+                batch["cp_placement"] = placement
+            else:
+                batch = {k: v.to(self._device) for k, v in batch.items()}
+                batch = split_batch(batch, self._cp_rank, self._cp_size)
+            self._drawn[self._next] = batch
             self._next += 1
         return self._drawn[index]
 
@@ -127,7 +148,14 @@ class MicroBatchSteps:
         self.forward_only, self.no_sync = forward_only, no_sync
         self.loss_scale = loss_scale  # fp16: the loss is multiplied by it before backward
         device = next(chunks[0].parameters()).device
-        self.data = MicroBatches(batches, device, groups.cp_rank, groups.cp_size)
+        self.data = MicroBatches(
+            batches,
+            device,
+            groups.cp_rank,
+            groups.cp_size,
+            config.cp_block_size,
+            config.cp_balance,
+        )
         b, s = self.data.get(0)["tokens"].shape
         tp = groups.tp_size if groups.layout.sequence_parallel else 1
         shape = (s // tp, b, config.hidden_size)  # [s(/tp), b, h]
@@ -154,6 +182,7 @@ class MicroBatchSteps:
                 labels=batch["labels"] if last else None,
                 hidden_states=x,
                 document_ids=batch.get("document_ids"),
+                **({"cp_placement": batch["cp_placement"]} if "cp_placement" in batch else {}),
             )
             if last:
                 loss = self.loss_fn(output, batch)  # scalar: this micro batch's loss
