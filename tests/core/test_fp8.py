@@ -15,7 +15,6 @@
   would differ (the test can tell).
 """
 
-import contextlib
 import shlex
 
 import pytest
@@ -26,7 +25,7 @@ from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
-from megadyn.core.pipeline import forward_backward, schedules
+from megadyn.core.pipeline import forward_backward
 from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megadyn.core.tensor_parallel.fp8 import Fp8Recipe, emulated_mm
 from megadyn.core.tensor_parallel.fp8_cache import weight_caches, weights_fixed
@@ -164,10 +163,6 @@ def parity_body(rank, world):
                     torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6, msg=f"{msg} {n}")
 
 
-def test_fp8_tracks_plain_model_and_tp2_equals_tp1():
-    spawn(parity_body, world=2)
-
-
 MICRO, STEPS, MBS, SEQ = 4, 3, 2, 16
 
 
@@ -214,13 +209,10 @@ def train(parts, groups, steps: range) -> list:
 
 
 def quantizing_every_micro_batch(parts, groups, steps: range) -> list:
-    """`train` with each weight quantized at every use (no cache scope)."""
-    scoped = schedules.weights_fixed
-    schedules.weights_fixed = lambda chunks: contextlib.nullcontext()
-    try:
-        return train(parts, groups, steps)
-    finally:
-        schedules.weights_fixed = scoped
+    """`train` with each weight quantized at every use (the cache disabled)."""
+    for cache in weight_caches(parts.ddp):
+        cache.enabled = False
+    return train(parts, groups, steps)
 
 
 def assert_equal_steps(got: list, want: list, what: str) -> None:
@@ -273,8 +265,14 @@ def cache_body(rank, world, root):
     groups.destroy()
 
 
-def test_weight_quantized_once_per_step_equals_every_micro_batch(tmp_path):
-    spawn(cache_body, world=2, args=(str(tmp_path),))
+def fp8_jobs_body(rank, world, root):
+    parity_body(rank, world)
+    cache_body(rank, world, root)
+
+
+def test_fp8_tracks_plain_model_tp2_equals_tp1_and_cached_weights_are_exact(tmp_path):
+    """One spawned job for `parity_body` and `cache_body` (processes start slowly)."""
+    spawn(fp8_jobs_body, world=2, args=(str(tmp_path),))
 
 
 BASE = (

@@ -36,9 +36,11 @@ def _capturing(t: torch.Tensor) -> bool:
 
 class WeightCache:
     """One layer's quantized weights by purpose ('tensorwise', 'rowwise', ...), kept while a
-    `weights_fixed` scope is open. `fills` and `hits` count the quantizations done and saved."""
+    `weights_fixed` scope is open. `fills` and `hits` count the quantizations done and saved;
+    `enabled` False quantizes at every use (tools/bench_gpt.py --no-fp8-weight-cache)."""
 
     def __init__(self) -> None:
+        self.enabled = True
         self.depth = 0
         self.entries: dict[str, tuple[tuple[int, int], Any]] = {}
         self.fills = 0
@@ -61,7 +63,7 @@ class WeightCache:
     ) -> Any:
         """`compute()`, or inside a scope the value it gave for `key` and this weight
         (same address and version) when `usable(value)` (e.g. it holds the transpose)."""
-        if self.depth == 0 or _capturing(weight):
+        if self.depth == 0 or not self.enabled or _capturing(weight):
             return compute()
         stamp = (weight.data_ptr(), weight._version)
         entry = self.entries.get(key)
