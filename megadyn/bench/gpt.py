@@ -271,6 +271,13 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     return res
 
 
+def _fp8_mode(a: argparse.Namespace) -> str | None:
+    """'FORMAT/RECIPE', '+nocache' under --no-fp8-weight-cache; None without fp8."""
+    if a.fp8_format is None:
+        return None
+    return f"{a.fp8_format}/{a.fp8_recipe}" + ("+nocache" if a.no_fp8_weight_cache else "")
+
+
 def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> dict:
     """The reference script's fields: the run's shape, the median iteration, throughput and
     MFU by its FLOPs formula, peak memory (the maximum over ranks)."""
@@ -293,8 +300,7 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,
         gemm_sm_carveout=a.gemm_sm_carveout,
-        fp8=f"{a.fp8_format}/{a.fp8_recipe}" if a.fp8_format else None,
-        fp8_weight_cache=bool(a.fp8_format) and not a.no_fp8_weight_cache,
+        fp8=_fp8_mode(a),
         attn="sdpa",
         attention_backend=a.attention_backend,
         recompute=a.recompute,
