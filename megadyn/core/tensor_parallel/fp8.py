@@ -151,12 +151,12 @@ def quantize(
         from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
 
         return quantize_tensorwise(t, dtype, fp8_max, AMAX_FLOOR, group, transpose)
-    a = t.abs()
-    amax = (a.amax() if dim is None else a.amax(dim, keepdim=True)).float()
+    # max |t| in one reduction (no |t| tensor written first), exact in any dtype
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None).float()
     if group_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = pow2_scale(amax, fp8_max)
-    q = (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)  # keeps t's strides
+    q = (t.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)  # keeps t's strides
     return q.contiguous(), scale.reciprocal(), q.t().contiguous() if transpose else None
 
 
