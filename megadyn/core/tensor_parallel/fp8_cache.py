@@ -17,9 +17,10 @@ view of its bucket's buffer, and the all-gather that writes the updated weights 
 buffer leaves the parameter's counter as it was.
 
 CUDA graph capture bypasses the cache (nothing read or stored): a captured micro batch
-quantizes its weights in each replay. Memory: the weight in fp8 and (tensorwise) its
-transposed copy, 2 bytes per weight element held for the step; the backward keeps W^T in fp8
-for each micro batch in flight anyway, so the step's peak grows by about 1 byte per element.
+quantizes its weights in each replay. Memory: W and W^T in fp8, 2 bytes per weight element
+held for the step. Tensorwise, the backward keeps W^T in fp8 for each micro batch in flight
+anyway, so the step's peak grows by about 1 byte per element (and under pipeline parallelism
+the micro batches in flight share one W^T); rowwise, whose backward re-quantizes W, by 2.
 """
 
 from __future__ import annotations
