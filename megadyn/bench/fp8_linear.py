@@ -7,13 +7,16 @@ computation in fp32 (the same check the CPU tests make bit for bit; here the GEM
 so the difference is bf16 rounding), and the Triton tensorwise quantization against the same
 math in torch operations (bit-equal fp8 bytes). Timing: fc1 (h -> 4h, column-parallel), GeLU,
 fc2 (4h -> h, row-parallel), bf16 weights with an fp32 main_grad (the training path), per
-recipe against bf16; with torchao installed also torchao's Float8Linear (tensorwise), eager and
-compiled, on the same shapes. One JSON line per result.
+recipe against bf16, and each tensorwise recipe with its weights quantized before (`+cached
+weights`: a step's micro batches after its first, fp8_cache.py); with torchao installed also
+torchao's Float8Linear (tensorwise), eager and compiled, on the same shapes. One JSON line per
+result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -22,6 +25,7 @@ from torch import nn
 
 from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megadyn.core.tensor_parallel.fp8 import FP8_MAX, Fp8Recipe, pow2_scale, quantize
+from megadyn.core.tensor_parallel.fp8_cache import weights_fixed
 
 RECIPES = {
     "e4m3/tensorwise": Fp8Recipe("e4m3"),
@@ -112,16 +116,20 @@ def torchao_mlp(h: int, device, compiled: bool):
     return torch.compile(model) if compiled else model
 
 
-def time_ms(model, x, g, iters: int = 20, warmup: int = 5) -> float:
+def time_ms(model, x, g, iters: int = 20, warmup: int = 5, cached: bool = False) -> float:
+    """Median ms of forward + backward; `cached`: all calls inside one weight-cache scope (the
+    first warm-up call quantizes the weights, the timed calls reuse them)."""
     times = []
-    for i in range(warmup + iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model(x).backward(g)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+    with weights_fixed([model]) if cached else contextlib.nullcontext():
+        for i in range(warmup + iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(x).backward(g)
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
 
 
@@ -131,6 +139,8 @@ def bench(h: int, tokens: int, device) -> list[dict]:
     g = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
     models = {"bf16": lambda: MegadynMLP(h, None, device)}
     models.update({n: (lambda r=r: MegadynMLP(h, r, device)) for n, r in RECIPES.items()})
+    cached = {f"{n} +cached weights": n for n, r in RECIPES.items() if r.recipe == "tensorwise"}
+    models.update({c: models[n] for c, n in cached.items()})
     try:
         import torchao  # noqa: F401
 
@@ -140,7 +150,7 @@ def bench(h: int, tokens: int, device) -> list[dict]:
         pass
     rows, base = [], None
     for name, make in models.items():
-        ms = time_ms(make(), x, g)
+        ms = time_ms(make(), x, g, cached=name in cached)
         base = base or ms
         rows.append(dict(bench="mlp_fwd_bwd", hidden=h, tokens=tokens, mode=name, ms=round(ms, 3)))
         rows[-1]["speedup_vs_bf16"] = round(base / ms, 3)

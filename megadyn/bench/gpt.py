@@ -28,6 +28,7 @@ from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.core.recompute import RecomputeConfig
+from megadyn.core.tensor_parallel.fp8_cache import weight_caches
 from megadyn.models import GPTConfig, lm_loss_for
 from megadyn.training.build import ModelParts, build_model_parts, no_sync
 from megadyn.training.config import MegadynConfig, ParallelConfig, TrainingConfig
@@ -126,6 +127,11 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         help="fp8 GEMMs in the transformer blocks' linear layers (hybrid: e5m2 gradients)",
     )
     p.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    p.add_argument(
+        "--no-fp8-weight-cache",
+        action="store_true",
+        help="quantize each fp8 weight at every micro batch, not once per step (a comparison)",
+    )
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
     )
@@ -253,6 +259,8 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     groups = ParallelGroups.build(layout, range(world))
     cfg = job_config(a)
     parts = build_model_parts(cfg, cfg.model, groups, device)
+    for cache in weight_caches(parts.ddp) if a.no_fp8_weight_cache else []:
+        cache.enabled = False
     data = random_batches(a, groups.dp_rank, device)
     graph = None
     if a.cuda_graph:
@@ -284,6 +292,13 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     return res
 
 
+def _fp8_mode(a: argparse.Namespace) -> str | None:
+    """'FORMAT/RECIPE', '+nocache' under --no-fp8-weight-cache; None without fp8."""
+    if a.fp8_format is None:
+        return None
+    return f"{a.fp8_format}/{a.fp8_recipe}" + ("+nocache" if a.no_fp8_weight_cache else "")
+
+
 def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> dict:
     """The reference script's fields: the run's shape, the median iteration, throughput and
     MFU by its FLOPs formula, peak memory (the maximum over ranks)."""
@@ -309,7 +324,7 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport if a.tp_comm_overlap else None,
         gemm_sm_carveout=a.gemm_sm_carveout,
-        fp8=f"{a.fp8_format}/{a.fp8_recipe}" if a.fp8_format else None,
+        fp8=_fp8_mode(a),
         attn="sdpa",
         attention_backend=a.attention_backend,
         recompute=a.recompute,

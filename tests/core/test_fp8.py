@@ -9,6 +9,10 @@
   2^-4 per operand), cosine similarity above 0.97.
 - tp 2, with and without sequence parallelism, equals tp 1 in fp8 (loss and gradients within
   1e-5): amaxes over sharded dimensions are all-reduced, so every rank quantizes as tp 1.
+- Training with each weight quantized once per step (fp8_cache.py) equals quantizing it at
+  every micro batch bit for bit (losses and main_grad), over optimizer steps of the
+  distributed optimizer, a live-reshard adopt and a checkpoint load; a copy kept past a step
+  would differ (the test can tell).
 """
 
 import shlex
@@ -17,13 +21,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
+from megadyn.core.optimizer import OptimizerConfig
+from megadyn.core.pipeline import forward_backward
 from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megadyn.core.tensor_parallel.fp8 import Fp8Recipe, emulated_mm
+from megadyn.core.tensor_parallel.fp8_cache import weight_caches, weights_fixed
 from megadyn.models import GPTModel, init_chunk, masked_mean
 from megadyn.testing import spawn
+from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import ConfigError, parse_args
+from megadyn.training.build import build_model_parts, no_sync
+from megadyn.training.config import MegadynConfig, TrainingConfig
+from megadyn.training.tensors import adopt_tensors, export_tensors
 from tests.core.test_tp_parity import VARIANTS, batch, gather_global
 
 RECIPES = [Fp8Recipe("e4m3"), Fp8Recipe("hybrid"), Fp8Recipe("e4m3", "rowwise")]
@@ -151,8 +163,126 @@ def parity_body(rank, world):
                     torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-6, msg=f"{msg} {n}")
 
 
-def test_fp8_tracks_plain_model_and_tp2_equals_tp1():
-    spawn(parity_body, world=2)
+MICRO, STEPS, MBS, SEQ = 4, 3, 2, 16
+
+
+def fp8_job(recipe: Fp8Recipe, dp: int, seed: int) -> MegadynConfig:
+    model = VARIANTS["llama"].with_(fp8_format=recipe.format, fp8_recipe=recipe.recipe)
+    return MegadynConfig(
+        model=model,
+        training=TrainingConfig(
+            micro_batch_size=MBS, global_batch_size=dp * MBS * MICRO, seed=seed
+        ),
+        optimizer=OptimizerConfig(lr=1e-2, use_distributed_optimizer=True),
+    )
+
+
+def micro_batches(step: int, dp_rank: int):
+    gen = torch.Generator().manual_seed(100 * step + dp_rank)
+    for _ in range(MICRO):
+        tokens = torch.randint(0, 100, (MBS, SEQ + 1), generator=gen)
+        yield dict(
+            tokens=tokens[:, :-1],
+            labels=tokens[:, 1:],
+            loss_mask=torch.ones(MBS, SEQ),
+            position_ids=torch.arange(SEQ).expand(MBS, -1),
+        )
+
+
+def train(parts, groups, steps: range) -> list:
+    """Per step: (micro-batch losses, every main_grad before the update)."""
+    out = []
+    for step in steps:
+        parts.optimizer.zero_grad()
+        losses = forward_backward(
+            parts.ddp,
+            groups,
+            micro_batches(step, groups.dp_rank),
+            MICRO,
+            config=parts.pipeline_cfg,
+            loss_fn=lambda per_token, b: masked_mean(per_token, b["loss_mask"]),
+            no_sync=lambda: no_sync(parts.ddp),
+        )
+        finalize_model_grads(parts.ddp, groups)
+        grads = [p.main_grad.clone() for c in parts.chunks for p in c.parameters()]
+        parts.optimizer.step()
+        out.append((torch.stack(losses), grads))
+    return out
+
+
+def quantizing_every_micro_batch(parts, groups, steps: range) -> list:
+    """`train` with each weight quantized at every use (the cache disabled)."""
+    for cache in weight_caches(parts.ddp):
+        cache.enabled = False
+    return train(parts, groups, steps)
+
+
+def assert_equal_steps(got: list, want: list, what: str) -> None:
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(got, want)):
+        assert torch.equal(loss, ref_loss), (what, step, loss, ref_loss)
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads)), (what, step)
+
+
+CACHE_CASES = [  # dp 2: the distributed optimizer's all-gather; tp 2: cached amax all-reduces
+    (Fp8Recipe("hybrid"), Layout(dp=2)),
+    (Fp8Recipe("e4m3", "rowwise"), Layout(tp=2, sequence_parallel=True)),
+]
+
+
+def cache_body(rank, world, root):
+    cpu = torch.device("cpu")
+    for recipe, layout in CACHE_CASES:
+        groups = ParallelGroups.build(layout, range(2))
+        what = f"{recipe.format} {recipe.recipe} tp{layout.tp} dp{layout.dp}"
+        cfg = fp8_job(recipe, layout.dp, seed=7)
+        cached = build_model_parts(cfg, cfg.model, groups, cpu)
+        plain = build_model_parts(cfg, cfg.model, groups, cpu)
+        path = f"{root}/{recipe.recipe}_tp{layout.tp}"
+        ckpt.save_checkpoint(path, 0, plain.chunks, plain.optimizer, groups, {})
+        reference = quantizing_every_micro_batch(plain, groups, range(STEPS))
+        assert_equal_steps(train(cached, groups, range(STEPS)), reference, what)
+        caches = weight_caches(cached.ddp)
+        per_step = 1 if recipe.recipe == "tensorwise" else 2  # rowwise: W and W^T scaled apart
+        assert len(caches) == 4 * cfg.model.num_layers  # qkv, proj, fc1, fc2
+        assert all(c.fills == STEPS * per_step for c in caches), what
+        assert all(c.hits == STEPS * per_step * (MICRO - 1) for c in caches), what
+        assert all(c.fills == 0 for c in weight_caches(plain.ddp))
+        # a live reshard's adopt and a checkpoint load change the weights between steps
+        other = build_model_parts(fp8_job(recipe, layout.dp, seed=8), cfg.model, groups, cpu)
+        for parts in (cached, plain):
+            adopt_tensors(
+                parts.chunks,
+                parts.optimizer,
+                export_tensors(other.chunks, other.optimizer, cfg.optimizer),
+            )
+        after_adopt = train(cached, groups, range(STEPS, STEPS + 1))
+        assert_equal_steps(
+            after_adopt,
+            quantizing_every_micro_batch(plain, groups, range(STEPS, STEPS + 1)),
+            f"{what} adopt",
+        )
+        for parts in (cached, plain):
+            ckpt.load_checkpoint(path, parts.chunks, parts.optimizer, groups, load_rng=False)
+        first = train(cached, groups, range(1))  # step 0's weights again: its losses, grads
+        assert_equal_steps(first, reference[:1], f"{what} load")
+        assert_equal_steps(quantizing_every_micro_batch(plain, groups, range(1)), first, what)
+        if layout.dp > 1:  # a copy kept past the step (an outer scope) is stale, and shows:
+            with weights_fixed(cached.ddp):  # the parameter all-gather leaves `_version` alone
+                stale = train(cached, groups, range(1, 3))
+            fresh = quantizing_every_micro_batch(plain, groups, range(1, 3))
+            assert torch.equal(stale[0][0], fresh[0][0])
+            assert not torch.equal(stale[1][0], fresh[1][0])
+        groups.destroy()
+
+
+def fp8_jobs_body(rank, world, root):
+    parity_body(rank, world)
+    cache_body(rank, world, root)
+
+
+def test_fp8_tracks_plain_model_tp2_equals_tp1_and_cached_weights_are_exact(tmp_path):
+    """One spawned job for `parity_body` and `cache_body` (processes start slowly)."""
+    spawn(fp8_jobs_body, world=2, args=(str(tmp_path),))
 
 
 BASE = (

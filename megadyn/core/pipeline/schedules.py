@@ -29,6 +29,7 @@ from megadyn.core.pipeline.config import PipelineConfig
 from megadyn.core.pipeline.cuda_graph import MicroBatchGraph
 from megadyn.core.pipeline.interleaved import forward_backward_interleaved
 from megadyn.core.pipeline.steps import LossFn, MicroBatchSteps, ScheduleStats
+from megadyn.core.tensor_parallel.fp8_cache import weights_fixed
 
 Schedule = Callable[[MicroBatchSteps], list[torch.Tensor]]
 
@@ -111,8 +112,9 @@ def forward_backward(
     back-propagated is the loss divided by `num_microbatches` and multiplied by `loss_scale`
     (fp16's loss scale; the optimizer unscales the gradients); `stats`, if given, receives
     measurements; `cuda_graph` (pp = 1 only) replays each training micro batch's forward and
-    backward from a captured graph (cuda_graph.py). Returns the micro-batch losses on the last
-    stage, [] elsewhere.
+    backward from a captured graph (cuda_graph.py). The weights must not change during the
+    call: FP8 layers quantize each weight once for all micro batches (fp8_cache.py). Returns
+    the micro-batch losses on the last stage, [] elsewhere.
     """
     layout = groups.layout
     if len(chunks) != layout.vpp:
@@ -134,12 +136,12 @@ def forward_backward(
         no_sync=no_sync,
         loss_scale=loss_scale,
     )
-    if cuda_graph is not None:
-        if layout.pp > 1:
-            raise LayoutError("a CUDA graph covers one stage: it needs pipeline-parallel size 1")
-        losses = forward_backward_graphed(steps, cuda_graph)
-    else:
-        losses = schedule(steps)
+    if cuda_graph is not None and layout.pp > 1:
+        raise LayoutError("a CUDA graph covers one stage: it needs pipeline-parallel size 1")
+    with weights_fixed(chunks):  # fp8 layers quantize each weight once for all micro batches
+        losses = (
+            schedule(steps) if cuda_graph is None else forward_backward_graphed(steps, cuda_graph)
+        )
     if stats is not None:
         stats.bytes_sent += steps.comm.bytes_sent
         stats.peak_live_microbatches = max(stats.peak_live_microbatches, steps.live.peak)

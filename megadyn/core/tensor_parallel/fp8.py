@@ -36,7 +36,10 @@ weight-gradient GEMM contracts over tokens, which every rank holds whole (sequen
 parallelism gathers them first).
 
 There is no scaling state: scales are computed from the tensors of each step, so
-checkpoints, snapshots and live reshards carry nothing for FP8.
+checkpoints, snapshots and live reshards carry nothing for FP8. Inside one step's
+`forward_backward` each weight is quantized once (its first micro batch: amax, tp all-reduce,
+cast, transposed copy) and reused by the step's other forward and backward passes
+(fp8_cache.py); activations and gradients are quantized at each GEMM.
 
 CUDA needs compute capability 8.9 or newer. On CPU the same quantization runs, and the
 GEMMs multiply the dequantized operands in fp32 (`emulated_mm`: the bits of torch's CPU
@@ -47,11 +50,12 @@ Triton kernels (fp8_kernels.py), the rest as torch operations.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megadyn.core.tensor_parallel.fp8_cache import WeightCache
 from megadyn.core.tensor_parallel.mappings import group_size
 
 FORMATS = ("e4m3", "hybrid")
@@ -147,12 +151,12 @@ def quantize(
         from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
 
         return quantize_tensorwise(t, dtype, fp8_max, AMAX_FLOOR, group, transpose)
-    a = t.abs()
-    amax = (a.amax() if dim is None else a.amax(dim, keepdim=True)).float()
+    # max |t| in one reduction (no |t| tensor written first), exact in any dtype
+    amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None).float()
     if group_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = pow2_scale(amax, fp8_max)
-    q = (t.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)  # keeps t's strides
+    q = (t.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)  # keeps t's strides
     return q.contiguous(), scale.reciprocal(), q.t().contiguous() if transpose else None
 
 
@@ -198,11 +202,13 @@ def _col_major(q: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Gemms:
     """The fp8 GEMMs of one linear layer: `column` (W split by output rows) or row-parallel
-    (W split by input columns) over `tp_group`, which decides whose amaxes are all-reduced."""
+    (W split by input columns) over `tp_group`, which decides whose amaxes are all-reduced.
+    `weight_cache` keeps the quantized weight within a step (fp8_cache.weights_fixed)."""
 
     recipe: Fp8Recipe
     tp_group: object
     column: bool
+    weight_cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
 
     def _group(self, sharded: bool):
         return self.tp_group if sharded and group_size(self.tp_group) > 1 else None
@@ -222,11 +228,18 @@ class Fp8Gemms:
         fp8, row = self.recipe.forward_dtype, not self.column
         if self.recipe.recipe == "tensorwise":  # the backward takes x^T and W^T in fp8
             xq, xs, xqt = quantize(x2d, fp8, None, self._group(row), transpose=need_w)
-            wq, ws, wqt = quantize(weight, fp8, None, self._group(True), transpose=need_x)
+            wq, ws, wqt = self.weight_cache.get(
+                "tensorwise",
+                weight,
+                lambda: quantize(weight, fp8, None, self._group(True), transpose=need_x),
+                usable=lambda cached: cached[2] is not None or not need_x,
+            )
             y = scaled_mm(xq, xs, _col_major(wq), ws, x2d.dtype, x2d.is_cuda, bias)
             return y, (xqt, xs, wqt, ws)
         xq, xs, _ = quantize(x2d, fp8, 1, self._group(row))  # [tokens, 1]
-        wq, ws, _ = quantize(weight, fp8, 1, self._group(row))  # [out, 1]
+        wq, ws, _ = self.weight_cache.get(  # [out, 1]
+            "rowwise", weight, lambda: quantize(weight, fp8, 1, self._group(row))
+        )
         y = scaled_mm(xq, xs, _col_major(wq), ws.t(), x2d.dtype, x2d.is_cuda, bias)
         return y, (x2d, weight)
 
@@ -250,7 +263,9 @@ class Fp8Gemms:
         grad_x = None
         if need_input:  # contraction over out: sharded in a column-parallel layer
             gq, gs, _ = quantize(g2d, gdt, 1, self._group(self.column))  # [t, 1]
-            wq, ws, _ = quantize(weight.t(), gdt, 1, self._group(self.column))  # [in, 1]
+            wq, ws, _ = self.weight_cache.get(  # [in, 1]
+                "rowwise_t", weight, lambda: quantize(weight.t(), gdt, 1, self._group(self.column))
+            )
             grad_x = scaled_mm(gq, gs, _col_major(wq), ws.t(), dtype)
 
         def weight_grad(wdtype):  # contraction over tokens: whole on every rank
