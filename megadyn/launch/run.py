@@ -44,6 +44,10 @@ FAILURE_RECORD_WAIT_S = 10.0
 its workers every --monitor-interval) before taking the error for another one."""
 RECOVERY_EXIT = 76
 """Exit status of a survivor that cannot recover in-process."""
+NCCL_ABORT_DEADLINE_S = 10.0
+"""How long a survivor waits for its NCCL communicators' abort before it exits with
+RECOVERY_EXIT (an abort that works takes well under a second; on torch 2.11 one whose
+collective waits on the dead rank did not return, BENCHMARKS.md issue 20)."""
 
 
 def main(argv: list[str] | None = None):
@@ -105,7 +109,7 @@ def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None, device) -> Fai
         max(60.0, 2 * el.heartbeat_timeout),
         on_failure=watchdog.forget if watchdog is not None else None,
         abort_nccl=device.type == "cuda",
-        abort_deadline_s=max(30.0, el.heartbeat_timeout),
+        abort_deadline_s=NCCL_ABORT_DEADLINE_S,
         abort_exit=RECOVERY_EXIT,
     )
     if watch is not None and watchdog is not None:
