@@ -97,6 +97,7 @@ class ElasticController:
         self.reconnect, self.control_rank = reconnect, 0  # rank 0 hosts the control store
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
+        self.finished = False  # the job's end was reached (finish, or Finish while standby)
         self.members: list[int] = []  # the layout's, known to standby processes too
         self._recovered: tuple[dict, float] | None = None  # its first step is still to time
         self.kept = None  # what the last recovery read from, until its first step ends
@@ -398,6 +399,7 @@ class ElasticController:
                     return trainer
                 continue
             if isinstance(rec, Finish):
+                self.finished = True
                 return None
             try:
                 trainer = self.apply(rec, None)
@@ -411,6 +413,7 @@ class ElasticController:
     def finish(self, trainer: ReshardableTrainer | None) -> None:
         """The job is done: refuse the requests still queued (an operator's tool is waiting
         for an answer) and tell standby processes to exit."""
+        self.finished = True
         if trainer is None or dist.get_rank() != trainer.groups.grid.members[0]:
             return
         while (pending := self.channel.pending_request(self.channel.handled())) is not None:
@@ -425,6 +428,24 @@ class ElasticController:
                 reason += f", before the request's --at-iteration {at}"
             self.channel.answer(rid, {"status": "refused", "reason": reason})
         self.channel.publish_epoch(Finish(self.epoch + 1))
+
+    def leave_control(self, timeout_s: float = 30.0) -> None:
+        """The job finished: this process is done with the control store. Its host (whose exit
+        closes the store) waits until every live process has said so, or `timeout_s`: a
+        process still at its last step boundary would otherwise lose the store mid-read."""
+        if not self.finished:
+            return
+        store = self.channel.store
+        store.add(FINISHED_KEY, 1)
+        if dist.get_rank() != self.control_rank:
+            return
+        deadline = time.monotonic() + timeout_s
+        while store.add(FINISHED_KEY, 0) < len(self.live) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+FINISHED_KEY = "finished/count"
+"""Live processes done with the control store at the end of the job (`leave_control`)."""
 
 
 def distopt_of(cfg, layout: Layout) -> DistOpt | None:

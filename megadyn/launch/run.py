@@ -266,6 +266,7 @@ def train_elastic(
         controller.finish(trainer)
         close(trainer)
         break
+    controller.leave_control()
     return {"losses": losses, "samples": samples, "events": controller.events}
 
 
