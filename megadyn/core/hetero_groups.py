@@ -173,10 +173,12 @@ class HeteroGroups:
         return self.micro_batches / self.layout.num_microbatches
 
     def set_timeout(self, timeout) -> None:
-        """Bound every later collective on these groups by `timeout` (see
-        ParallelGroups.set_timeout)."""
+        """Bound every later collective on these groups, the replicas' own too, by `timeout`
+        (see ParallelGroups.set_timeout)."""
         for group in self._owned:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
+        for replica in self._replicas:
+            replica.set_timeout(timeout)
 
     def destroy(self) -> None:
         for group in reversed(self._owned):
