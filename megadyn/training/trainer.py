@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.distributed import finalize_model_grads
+from megadyn.core.optimizer import StepInterrupted
 from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
 from megadyn.data.sampler import micro_batch_indices
 from megadyn.data.token_budget import step_share
@@ -305,6 +306,12 @@ class Trainer:
         """It holds a layout's model and optimizer (not `release`d)."""
         return self.chunks is not None
 
+    def interrupt(self) -> None:
+        """A peer died and the communicators are about to be aborted (another thread): the
+        step under way must not update with what they return from now on."""
+        if self.optimizer is not None:
+            self.optimizer.interrupted = True
+
     def salvage(self) -> tuple[dict[str, torch.Tensor], bool]:
         """A peer died: this rank's tensors of training state, read without communication,
         and whether they are those of `iteration` (False when a step stopped inside the
@@ -396,7 +403,11 @@ class Trainer:
     def _optimizer_step(self, consumed: int) -> tuple[bool, float | None]:
         """The optimizer step after the gradients are final, and the step's counters."""
         self.updating = True  # until the step is counted: the tensors are between two steps
-        applied, grad_norm, _ = self.optimizer.step()
+        try:
+            applied, grad_norm, _ = self.optimizer.step()
+        except StepInterrupted:
+            self.updating = False  # it stopped before changing anything
+            raise
         if applied:
             self.scheduler.step(1)
         else:

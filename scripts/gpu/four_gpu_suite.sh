@@ -294,9 +294,8 @@ part_inprocess() {
         flags+=(--elastic-initial-members 3) ;;
       *) md "- unknown in-process run: $run (tp2xdp2, dp3+standby)"; continue ;;
     esac
-    # NCCL's watchdog must leave up a process whose communicators the recovery aborts; nonblocking
-    # communicators let an abort return while a collective waits on the dead rank
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 TORCH_NCCL_USE_COMM_NONBLOCKING=1 timeout -s INT -k 20 "$(min "${INPROCESS_TIMEOUT:-150}" "$(left)")" \
+    # NCCL's watchdog must leave up a process whose communicators the recovery aborts
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 timeout -s INT -k 20 "$(min "${INPROCESS_TIMEOUT:-150}" "$(left)")" \
       python3 tools/bench_recovery.py --in-process --nproc 4 --kill-after "$kill" --victim 1 \
       --port $((29450 + i)) --log "$log" -- "${flags[@]}" --global-batch-size 24 \
       --train-iters "$iters" --log-interval 1 \

@@ -8,7 +8,12 @@ from torch import nn
 from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
-from megadyn.core.optimizer import OptimizerConfig, build_optimizer, uses_weight_decay
+from megadyn.core.optimizer import (
+    OptimizerConfig,
+    StepInterrupted,
+    build_optimizer,
+    uses_weight_decay,
+)
 from megadyn.testing.spawn import spawn
 
 CONFIG = dict(lr=1e-2, weight_decay=0.1, clip_grad=0.05)
@@ -281,6 +286,44 @@ def _loss_scaler(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_fp16_loss_scaler_skips_overflow_and_rescales(world):
     spawn(_loss_scaler, world=world)
+
+
+def _interrupted_step(rank, world):
+    """A step whose communicators were aborted (a peer died) changes nothing: the survivor
+    keeps the previous step's params, Adam state, step count and loss scale."""
+    groups = ParallelGroups.build(Layout(dp=world), range(world))
+    for fp16 in (False, True):
+        model = make_model().half() if fp16 else make_model()
+        ddp = DistributedDataParallel(
+            model, groups.dp_group, use_distributed_optimizer=True, bucket_size=64
+        )
+        extra = dict(fp16=True, initial_loss_scale=8.0, loss_scale_window=1) if fp16 else {}
+        opt = build_optimizer(
+            [ddp], [ddp], groups, OptimizerConfig(**CONFIG, **extra, use_distributed_optimizer=True)
+        )
+        x, y = make_batch(2, seed=5)
+        for step in range(2):
+            opt.zero_grad()
+            out = ddp(x.half() if fp16 else x).float()
+            opt.scale_loss(nn.functional.mse_loss(out, y)).backward()
+            finalize_model_grads([ddp], groups)
+            if step == 0:
+                assert opt.step()[0]
+                params = [p.detach().clone() for p in ddp.parameters()]
+                state = [opt.param_state(p) for p in opt.params]
+                count, scale = opt.step_count, opt.loss_scale
+        opt.interrupted = True
+        with pytest.raises(StepInterrupted, match="stops before its update"):
+            opt.step()
+        assert opt.step_count == count and opt.loss_scale == scale
+        assert all(torch.equal(a, b) for a, b in zip(params, ddp.parameters()))
+        for before, p in zip(state, opt.params):
+            after = opt.param_state(p)
+            assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_interrupted_step_changes_nothing():
+    spawn(_interrupted_step, world=2)
 
 
 # --- layout-free optimizer state -------------------------------------------------------------------

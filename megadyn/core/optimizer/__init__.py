@@ -5,7 +5,11 @@
 
 from megadyn.core.optimizer.config import OptimizerConfig
 from megadyn.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megadyn.core.optimizer.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megadyn.core.optimizer.optimizer import (
+    MixedPrecisionOptimizer,
+    StepInterrupted,
+    build_optimizer,
+)
 from megadyn.core.optimizer.shards import ParamShard, uses_weight_decay
 
 __all__ = [
@@ -14,6 +18,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
     "ParamShard",
+    "StepInterrupted",
     "build_optimizer",
     "uses_weight_decay",
 ]

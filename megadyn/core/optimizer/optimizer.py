@@ -18,6 +18,10 @@ Each shard has an fp32 main copy
 `param.main_grad`, and torch's AdamW updates the shards. After the step, main copies are cast
 back into the params and, with the distributed optimizer, all-gathered over dp.
 
+A failure watch that aborts the communicators (a peer died) first sets `interrupted`: a step
+whose host reads (overflow check, grad norm) return after that raises `StepInterrupted` before
+it changes any state, so the survivor still holds the previous step's tensors.
+
 The state of one parameter (`param_state` / `load_param_state`) is given at the full local
 (tp/pp-local) shape, independent of dp size and of the distributed optimizer.
 """
@@ -36,6 +40,11 @@ from megadyn.core.optimizer.config import OptimizerConfig
 from megadyn.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megadyn.core.optimizer.shards import STATE_KEYS, ParamShard, gather_param_state, make_shards
 
+
+class StepInterrupted(RuntimeError):
+    """The communicators were aborted while the step waited on them: nothing was updated."""
+
+
 StepResult = tuple[bool, float | None, int | None]
 
 
@@ -53,6 +62,7 @@ class MixedPrecisionOptimizer:
         self.groups = groups
         self.ddp_wrappers = list(ddp_wrappers)
         self.distributed = config.use_distributed_optimizer
+        self.interrupted = False  # set by the runtime's failure watch (another thread)
         if any(d.use_distributed_optimizer != self.distributed for d in self.ddp_wrappers):
             raise ValueError(
                 "--use-distributed-optimizer must be the same for the optimizer and every "
@@ -150,6 +160,7 @@ class MixedPrecisionOptimizer:
         if self.grad_scaler is not None:
             inv_scale = self.grad_scaler.inv_scale
             found_inf = stats.unscale_and_check_finite(grads, inv_scale, self._stat_groups, device)
+            self._stop_if_interrupted()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._drop_main_grads()
@@ -157,6 +168,7 @@ class MixedPrecisionOptimizer:
         tp_rank = self.groups.tp_rank
         counted = [g for s, g in zip(self.shards, grads) if stats.counts_in_norm(s.param, tp_rank)]
         grad_norm = stats.global_grad_norm(counted, self._stat_groups, device)
+        self._stop_if_interrupted()  # the norm's host read waited for the gradients
         if self.config.clip_grad > 0:
             stats.clip_grads(grads, self.config.clip_grad, grad_norm)
         num_zeros = None
@@ -168,6 +180,16 @@ class MixedPrecisionOptimizer:
         self._drop_main_grads()
         self._copy_main_to_model()
         return True, grad_norm, num_zeros
+
+    def _stop_if_interrupted(self) -> None:
+        """Raise StepInterrupted if the runtime aborted the communicators meanwhile: the value
+        just read on the host may come from a collective cut short, so nothing is updated."""
+        if self.interrupted:
+            self._drop_main_grads()
+            raise StepInterrupted(
+                "a peer failed while this step's gradients were reduced: the step stops "
+                "before its update"
+            )
 
     def _drop_main_grads(self) -> None:
         for shard in self.shards:
