@@ -32,6 +32,7 @@ from megadyn.bench.torch_cp import run_torch_cp_bench
 
 ROWS = {  # name: megadyn/bench/gpt.py flags (world of 2); None: torch's context parallelism
     "cp2": ["--cp", "2"],
+    "cp2_flash": ["--cp", "2", "--attention-backend", "flash"],  # the ring's flash blocks
     "tp2": ["--tp", "2"],
     "tp2_sp": ["--tp", "2", "--sp"],
     "torch_cp2": None,

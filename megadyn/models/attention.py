@@ -12,10 +12,11 @@ so inputs it cannot take fail loudly instead of silently running another one.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megadyn.core.context_parallel.kernels import is_hopper
 
 _NAMED = {  # Megatron's --attention-backend names
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -31,15 +32,10 @@ _HOPPER_ORDER = [
 ]
 
 
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def attention_kernels(backend: str, q: torch.Tensor):
     """The context that selects the attention kernel for `q`'s device."""
     if backend in _NAMED:
         return sdpa_kernel(_NAMED[backend])
-    if q.is_cuda and _hopper(q.device.index or 0):
+    if q.is_cuda and is_hopper(q.device.index or 0):
         return sdpa_kernel(_HOPPER_ORDER, set_priority=True)
     return contextlib.nullcontext()

@@ -19,11 +19,15 @@ all blocks add up to those of the whole attention.
 "flash" is torch's flash attention on CUDA (16-bit inputs) and its CPU flash kernels on CPU,
 which the tests compare with the math path; "cudnn" is torch's cuDNN attention (CUDA only). The
 output is in the input's dtype, the log-sum-exp in fp32; the caller merges blocks in fp32.
-None picks flash for CUDA 16-bit blocks and the math path otherwise. `--attention-backend`
+None picks, for CUDA 16-bit blocks, cuDNN on Hopper (as the model's attention does without
+cp: on H100 the ring's flash blocks ran cp 2 at 0.70x tp 2 at 32k) and flash elsewhere, and the
+math path otherwise. `--attention-backend`
 chooses for the model (`kernel_for_backend`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -128,21 +132,31 @@ KERNELS = {
 _BACKENDS = {"auto": None, "flash": "flash", "fused": "cudnn", "unfused": "math", "local": "math"}
 
 
+@functools.cache
+def is_hopper(device_index: int) -> bool:
+    """The CUDA device is a Hopper GPU (compute capability 9.x)."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def kernel_for_backend(backend: str) -> str | None:
     """The block kernel of `--attention-backend` (fused = cuDNN; auto: `block_kernels`' pick)."""
     return _BACKENDS[backend]
 
 
 def block_kernels(q: torch.Tensor, kernel: str | None = None, masked: bool = False):
-    """(forward, backward) for blocks like `q`: `kernel` by name, or for None flash on CUDA in
-    16-bit (head sizes up to 256) and blocks.py's math path otherwise; the math path for
+    """(forward, backward) for blocks like `q`: `kernel` by name, or for None, on CUDA in
+    16-bit, cuDNN on Hopper (head sizes up to 128) or flash (up to 256), and blocks.py's math
+    path otherwise; the math path for
     `masked` blocks (document masks or attention dropout), which the fused kernels do not
     take."""
     if masked:
         return KERNELS["math"]
     if kernel is None:
-        flash = q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] <= 256
-        kernel = "flash" if flash else "math"
+        fused = q.is_cuda and q.dtype in FLASH_DTYPES
+        if fused and q.shape[-1] <= 128 and is_hopper(q.device.index or 0):
+            kernel = "cudnn"
+        else:
+            kernel = "flash" if fused and q.shape[-1] <= 256 else "math"
     if kernel == "cudnn" and not q.is_cuda:
         raise ValueError("the cuDNN block kernel needs CUDA (--attention-backend fused)")
     return KERNELS[kernel]
