@@ -143,6 +143,13 @@ def kernel_for_backend(backend: str) -> str | None:
     return _BACKENDS[backend]
 
 
+def fused_kernels(q: torch.Tensor, kernel: str | None = None):
+    """The fused (forward, backward) that `block_kernels` takes for unmasked blocks like `q`,
+    or None where it takes the math path (documents.py runs document-masked blocks with it)."""
+    pair = block_kernels(q, kernel)
+    return None if pair is KERNELS["math"] else pair
+
+
 def block_kernels(q: torch.Tensor, kernel: str | None = None, masked: bool = False):
     """(forward, backward) for blocks like `q`: `kernel` by name, or for None, on CUDA in
     16-bit, cuDNN on Hopper (head sizes up to 128) or flash (up to 256), and blocks.py's math

@@ -14,8 +14,9 @@ With `document_ids` (--reset-attention-mask) a block is further masked to query/
 the same document, and skipped, forward and backward, when it has none (its keys and values
 still travel on). With attention dropout (`dropout_p` and a `seed`, dropout.py) each block's
 mask comes from a generator seeded by (seed, rank, step); the backward draws it again.
-Each block runs through kernels.py's kernels (torch's flash kernels on CUDA by default; masked
-blocks through blocks.py's math). The next step's exchange runs while a step computes. The
+Each block runs through kernels.py's kernels (torch's fused kernels on CUDA by default);
+document-masked blocks run the same kernel once per document (documents.py), and blocks with
+attention dropout run blocks.py's math. The next step's exchange runs while a step computes. The
 backward pass goes round the ring again: keys and values travel as before, and the gradients
 of the keys and values travel with them, one step behind, until after cp shifts they are back
 on the rank that owns them.
@@ -27,8 +28,13 @@ import torch
 
 from megadyn.core.context_parallel.blocks import merge_into
 from megadyn.core.context_parallel.comm import RingExchange
+from megadyn.core.context_parallel.documents import (
+    document_rects,
+    documents_backward,
+    documents_forward,
+)
 from megadyn.core.context_parallel.dropout import block_dropout
-from megadyn.core.context_parallel.kernels import block_kernels
+from megadyn.core.context_parallel.kernels import block_kernels, fused_kernels
 from megadyn.core.context_parallel.sequence import split_sequence
 
 
@@ -46,16 +52,36 @@ def _step_block(ring: RingExchange, step: int, half: int, document_ids, seen=Non
     """(rows, cols, causal, visible) of ring step `step`, where `visible` [b, 1, sq, sk] keeps
     the pairs of one document (None without `document_ids` [b, S]); None when nothing in the
     block is visible (`seen`: `_steps_seen`'s flags)."""
-    origin = (ring.rank - step) % ring.size
-    rows, cols, causal = _block_plan(step, origin, ring.rank, half)
+    rows, cols, causal, q_doc, k_doc = _step_documents(ring, step, half, document_ids)
     if document_ids is None:
         return rows, cols, causal, None
     if seen is not None and not seen[step]:
         return None
-    q_doc = split_sequence(document_ids, ring.rank, ring.size, dim=1)[:, rows]  # [b, sq]
-    k_doc = split_sequence(document_ids, origin, ring.size, dim=1)[:, cols]  # [b, sk]
     visible = (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1)  # [b, 1, sq, sk]
     return rows, cols, causal, visible
+
+
+def _step_documents(ring: RingExchange, step: int, half: int, document_ids):
+    """(rows, cols, causal, q_doc, k_doc) of ring step `step`: the document ids of the block's
+    query rows [b, sq] and key columns [b, sk] (None without `document_ids`)."""
+    origin = (ring.rank - step) % ring.size
+    rows, cols, causal = _block_plan(step, origin, ring.rank, half)
+    if document_ids is None:
+        return rows, cols, causal, None, None
+    q_doc = split_sequence(document_ids, ring.rank, ring.size, dim=1)[:, rows]
+    k_doc = split_sequence(document_ids, origin, ring.size, dim=1)[:, cols]
+    return rows, cols, causal, q_doc, k_doc
+
+
+def _document_blocks(ring: RingExchange, half: int, document_ids) -> list:
+    """Per ring step (rows, cols, visible rectangles of documents.py), None where no pair of
+    the block is visible: the document-masked blocks that the fused kernels run."""
+    blocks = []
+    for step in range(ring.size):
+        rows, cols, causal, q_doc, k_doc = _step_documents(ring, step, half, document_ids)
+        rects = document_rects(q_doc, k_doc, causal)
+        blocks.append((rows, cols, rects) if rects else None)
+    return blocks
 
 
 def _steps_seen(ring: RingExchange, half: int, document_ids) -> list[bool] | None:
@@ -71,21 +97,32 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, document_ids, kernel, dropout):
         ring = RingExchange(group)
-        masked = document_ids is not None or dropout is not None
-        block_forward, _ = block_kernels(q, kernel, masked=masked)
         half = q.shape[2] // 2
+        # document-masked blocks without dropout: the fused kernel per document (documents.py)
+        fused = fused_kernels(q, kernel) if document_ids is not None and dropout is None else None
+        docs = _document_blocks(ring, half, document_ids) if fused else None
+        masked = fused is None and (document_ids is not None or dropout is not None)
+        block_forward, _ = block_kernels(q, kernel, masked=masked)
+        seen = None if fused else _steps_seen(ring, half, document_ids)
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         out = lse = None
-        seen = _steps_seen(ring, half, document_ids)
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            block = _step_block(ring, step, half, document_ids, seen)
+            if docs is not None:
+                block = docs[step]
+                if block is not None:
+                    rows, cols, rects = block
+                    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                    block_out, block_lse = documents_forward(fused[0], qb, kb, vb, scale, rects)
+            else:
+                block = _step_block(ring, step, half, document_ids, seen)
+                if block is not None:
+                    rows, cols, causal, visible = block
+                    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                    drop = _block_dropout(dropout, ring, step, qb, kb)
+                    block_out, block_lse = block_forward(qb, kb, vb, causal, scale, visible, drop)
             if block is not None:
-                rows, cols, causal, visible = block
-                qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                drop = _block_dropout(dropout, ring, step, qb, kb)
-                block_out, block_lse = block_forward(qb, kb, vb, causal, scale, visible, drop)
                 if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
                     out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
                 else:
@@ -96,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.document_ids, ctx.kernel = group, scale, document_ids, kernel
-        ctx.dropout, ctx.masked, ctx.seen = dropout, masked, seen
+        ctx.dropout, ctx.masked, ctx.seen, ctx.fused, ctx.docs = dropout, masked, seen, fused, docs
         return out
 
     @staticmethod
@@ -111,23 +148,25 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            block = _step_block(ring, step, half, ctx.document_ids, ctx.seen)
+            if ctx.docs is not None:
+                block = ctx.docs[step]
+                if block is not None:
+                    rows, cols, rects = block
+                    dq_b, dk_b, dv_b = documents_backward(
+                        ctx.fused[1], dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                        kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], ctx.scale, rects,
+                    )  # fmt: skip
+            else:
+                block = _step_block(ring, step, half, ctx.document_ids, ctx.seen)
+                if block is not None:
+                    rows, cols, causal, visible = block
+                    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                    drop = _block_dropout(ctx.dropout, ring, step, qb, kb)
+                    dq_b, dk_b, dv_b = block_backward(
+                        dout[:, :, rows], qb, kb, vb, out[:, :, rows], lse[:, :, rows],
+                        causal, ctx.scale, visible, drop,
+                    )  # fmt: skip
             if block is not None:
-                rows, cols, causal, visible = block
-                qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                drop = _block_dropout(ctx.dropout, ring, step, qb, kb)
-                dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, rows],
-                    qb,
-                    kb,
-                    vb,
-                    out[:, :, rows],
-                    lse[:, :, rows],
-                    causal,
-                    ctx.scale,
-                    visible,
-                    drop,
-                )
                 dq[:, :, rows] += dq_b
             if dkv_pending is None:  # step 0: the gradients of this rank's own keys start
                 dkv = torch.zeros_like(kv, dtype=dq.dtype)
@@ -168,6 +207,6 @@ def ring_attention(
     keys and values k, v [b, g, s, d] are spread over `group` (the cp group); within
     documents when `document_ids` [b, S] (the whole sequence's) is given, with attention
     dropout when `dropout` is (p, seed) (dropout.py). Each block runs through kernels.py's
-    `kernel` ("flash", "cudnn", "math"; None: flash where it runs; math for masked blocks)."""
+    `kernel` ("flash", "cudnn", "math"; None: kernels.py's pick; math under dropout)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _RingAttention.apply(q, k, v, group, scale, document_ids, kernel, dropout)
