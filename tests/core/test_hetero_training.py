@@ -1,8 +1,9 @@
 """Replicas of different pipeline depth train as one process does (gloo, fp32).
 
 5 processes as one 3-stage and one 2-stage pipeline (with and without the distributed
-optimizer, whose shards follow each layer range's reduce group), and 7 processes as the
-heterogeneous planner's mix, each run 2 optimizer steps; every micro batch's loss equals the
+optimizer, whose shards follow each layer range's reduce group), 7 processes as the
+heterogeneous planner's mix, and tp 2 x (2 + 1 stages) with the distributed optimizer, each
+run 2 optimizer steps; every micro batch's loss equals the
 single-process run's within 1e-5, the gradient norm the single process's, and every sample of
 every step is read by exactly one replica.
 """
@@ -101,7 +102,7 @@ def _train_hetero(layout: HeteroLayout, cfg: MegadynConfig) -> dict:
         k: p.numel for k, p in described.items()
     }
     read: list[int] = []
-    first = hetero.replica.is_first_stage
+    first = hetero.replica.is_first_stage and hetero.tp_rank == 0  # one reader per replica
     offset, count = hetero.microbatch_offset, hetero.micro_batches
     losses = train(
         parts,
@@ -151,6 +152,20 @@ def three_plus_two() -> HeteroLayout:
     )
 
 
+def tp_two_plus_one() -> HeteroLayout:
+    """tp 2: a 2-stage and a 1-stage replica, ranks out of order (as after a standby took a
+    place), so the tp ranks of a stage own different parts of their reduce groups' buffers."""
+    r = range
+    return HeteroLayout(
+        tp=2,
+        num_layers=LAYERS,
+        replicas=(
+            Replica((r(0, 3), r(3, 6)), (0, 5, 1, 2), micro_batches=5),
+            Replica((r(0, 6),), (3, 4), micro_batches=3),
+        ),
+    )
+
+
 def planned_seven() -> HeteroLayout:
     """The planner's mix for 7 members, with a memory limit that a 1-stage replica exceeds."""
     rc = RecomputeConfig()
@@ -177,8 +192,9 @@ def close(a: float, b: float) -> bool:
 
 
 def test_heterogeneous_replicas_train_as_one_process():
-    # one job of 7: ranks 5, 6 wait out the 5-process runs
+    # one job of 7: ranks outside a layout wait out its run
     runs = [(three_plus_two(), CFG), (three_plus_two(), DISTOPT), (planned_seven(), CFG)]
+    runs.append((tp_two_plus_one(), DISTOPT))
     for layout, _ in runs:
         assert len({rep.num_stages for rep in layout.replicas}) > 1  # depths differ
     results = spawn(_run, world=7, args=(runs,), timeout_s=300)
