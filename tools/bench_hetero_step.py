@@ -72,9 +72,7 @@ def main() -> None:
     hetero = HeteroGroups.build(HeteroLayout.from_grid(layout, range(world), a.layers, micro))
     parts = {
         "grid": build_model_parts(cfg, model, grid, device),
-        "replicas": build_model_parts(
-            cfg, model, hetero.replica, device, stage_layers=hetero.stage_layers
-        ),
+        "replicas": build_model_parts(cfg, model, hetero, device),
     }
     g = torch.Generator().manual_seed(0)
     batch = {

@@ -1,23 +1,30 @@
 """Process groups of a heterogeneous layout, and the gradient sums across its replicas.
 
     hetero = HeteroGroups.build(layout, backend="gloo")     # layout: a HeteroLayout
-    chunks = build_gpt_chunks(cfg, hetero.replica, stage_layers=hetero.stage_layers)
-    forward_backward(chunks, hetero.replica, batches, hetero.micro_batches, ...,
+    parts = build_model_parts(cfg, model_cfg, hetero, device)   # the replica's stage, DDP
+    forward_backward(parts.ddp, hetero.replica, batches, hetero.micro_batches, ...,
                      loss_scale=hetero.batch_share)
-    reduce_hetero_grads(chunks, hetero)                      # then optimizer.step()
+    reduce_hetero_grads(parts.ddp, hetero)                   # then optimizer.step()
     hetero.destroy()
 
 Each replica is one pipeline: its groups are those of the grid (tp, pp = its stages, dp 1)
-over its members (`ParallelGroups`), so the schedules, the p2p communication, tensor
-parallelism and the optimizer (global norm over the replica's model-parallel group) run on it
-unchanged. What differs is the data-parallel reduction: a replica runs `micro_batches` of the
-step's micro batches and back-propagates its losses divided by the whole step's count (its
-`batch_share` of the mean), and each weight's gradient is then summed over the ranks that hold
-it in every replica (`HeteroLayout.reduce_groups`: one group per layer range and tp rank, and
-the embedding ends), which replaces both the dp reduction and the tied-embedding sum of a grid.
+over its members (`ParallelGroups`), so the schedules, the p2p communication and tensor
+parallelism run on it unchanged. What differs is the data-parallel reduction: a replica runs
+`micro_batches` of the step's micro batches and back-propagates its losses divided by the whole
+step's count (its `batch_share` of the mean), and each weight's gradient is then summed over
+the ranks that hold it in every replica (`HeteroLayout.reduce_groups`: one group per layer
+range and tp rank, and the embedding ends), which replaces both the dp reduction and the
+tied-embedding sum of a grid. The DDP wrappers do that sum (`grad_group_of` gives each
+parameter's group: one gradient buffer per group); with the distributed optimizer they
+reduce-scatter instead, so each rank keeps the fp32 main weights and Adam moments of its part
+of every group's buffer, and all-gather the updated weights over the same group.
+
+Gradient statistics (norm, overflow): without the distributed optimizer every replica holds
+the whole summed gradient and reduces over its own model-parallel group; with it each element
+is owned by one rank of the job, and `stats_group` (every member) sums them.
 
 Every live process builds every group in one order (members or not), as `ParallelGroups.build`
-asks: first each replica's groups, then the reduce groups.
+asks: first each replica's groups, then the reduce groups, then the members' groups.
 """
 
 from __future__ import annotations
@@ -27,11 +34,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from megadyn.core.distributed.finalize_model_grads import finish_grads_within_replica
+from megadyn.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
 
@@ -56,6 +62,10 @@ class HeteroGroups:
     this rank holds; parts held by the same ranks share one group (and one all-reduce)."""
     members_group: object = None
     """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
+    stats_group: object = None
+    """All members over the job's backend: gradient statistics under the distributed
+    optimizer (each gradient element is owned by one member). Not `members_group`, on which
+    an asynchronous checkpoint may run collectives from its thread meanwhile."""
     backend: str = ""
     _replicas: list[ParallelGroups] = field(default_factory=list)
     _owned: list = field(default_factory=list)
@@ -83,9 +93,11 @@ class HeteroGroups:
             if rank in group.ranks:
                 out.reduce[group.part] = by_ranks[group.ranks]
         members = dist.new_group(list(layout.members), backend="gloo", timeout=timeout)
+        # a group of its own: checkpoints run on `members` in a background thread
+        stats = dist.new_group(list(layout.members), backend=backend, timeout=timeout)
         if coords is not None:
-            out.members_group = members
-            out._owned.append(members)
+            out.members_group, out.stats_group = members, stats
+            out._owned += [members, stats]
         return out
 
     @property
@@ -151,6 +163,11 @@ class HeteroGroups:
     def connect(self, device) -> None:
         self.replica.connect(device)
 
+    def grad_group_of(self, name: str):
+        """The group the gradient of this rank's parameter `name` (its global name) is
+        summed over: the ranks holding its layer range (or embedding end) in every replica."""
+        return self.reduce[reduce_part(name, self.layout.layer_ranges())]
+
     @property
     def stage_layers(self) -> tuple[range, ...]:
         """Layers of each stage of this rank's replica."""
@@ -185,7 +202,7 @@ class HeteroGroups:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.reduce.clear()
-        self.members_group = None
+        self.members_group = self.stats_group = None
         for replica in self._replicas:
             replica.destroy()
         self._replicas.clear()
@@ -193,25 +210,16 @@ class HeteroGroups:
 
 
 def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> None:
-    """Make every gradient final for the optimizer step: finish the chunks' own (dp 1)
-    reductions, sum sequence-parallel grads over tp, then sum each weight's gradient over the
-    ranks holding it in every replica (one coalesced all-reduce per group: the parts held by
-    the same ranks together)."""
-    finish_grads_within_replica(chunks, hetero.replica)
-    ranges = hetero.layout.layer_ranges()
-    by_part: dict = {}
+    """Make every gradient final for the optimizer step: sum the sequence-parallel grads over
+    tp, then finish the DDP wrappers' sums over each layer range's reduce group (with the
+    distributed optimizer a reduce-scatter: only this rank's part of each buffer is final).
+
+    The tp sum comes first because a reduce group's ranks are ordered by rank, so the tp ranks
+    of one stage may own different parts of their buffers; the wrappers then must not start
+    their sums in the backward (`build_model_parts` turns that overlap off under sequence
+    parallelism)."""
+    replica = hetero.replica
+    if replica.layout.sequence_parallel and replica.tp_size > 1:
+        allreduce_sequence_parallel_grads(chunks, replica.tp_group)
     for chunk in chunks:
-        for name, param in getattr(chunk, "module", chunk).named_parameters():
-            grad = param.main_grad if hasattr(param, "main_grad") else param.grad
-            if param.requires_grad and grad is not None:
-                by_part.setdefault(reduce_part(name, ranges), []).append(grad)
-    by_group: dict = {}  # in the order of each group's first part: the same on its ranks
-    for part, group in hetero.reduce.items():
-        by_group.setdefault(group, []).extend(by_part.get(part, []))
-    for group, grads in by_group.items():
-        if not grads or dist.get_world_size(group) == 1:
-            continue
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            grad.copy_(summed)
+        chunk.finish_grad_sync()

@@ -15,7 +15,7 @@ megadyn/elastic/templates.py). A global step runs `micro_batches` micro batches 
 every replica: one group per layer range and tp rank, plus the embedding ends:
 - `word_embeddings`: first stages, and last stages when the output layer is tied to it;
 - `position_embeddings`: first stages; `final_layernorm` / `output_layer`: last stages.
-A distributed optimizer would shard each range's state over the same groups.
+The distributed optimizer shards each group's optimizer state over its ranks.
 
 A homogeneous (tp, pp, dp) grid is the special case of dp equal replicas (`from_grid`).
 Nothing here touches torch.distributed.

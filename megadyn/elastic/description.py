@@ -134,7 +134,7 @@ def registration_order(cfg: GPTConfig, names: Sequence[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def _flat_ranges(
+def flat_ranges(
     numels: list[int], dp: int, distopt: DistOpt, separate: list[bool]
 ) -> list[list[tuple[int, int]]]:
     """Per param, per rank of the `dp` ranks sharing the optimizer (dp x cp), the flat range
@@ -192,7 +192,7 @@ def describe(
                 if distopt is not None:
                     numels = [math.prod(x.sizes) for x in tp_pieces]
                     separate = [tied and n == WORD_EMBEDDING for n in names]
-                    flat = _flat_ranges(numels, per_instance, distopt, separate)
+                    flat = flat_ranges(numels, per_instance, distopt, separate)
                 for shard in range(layout.dp * layout.cp):  # dp x cp ranks, cp fastest
                     coords = Coords(tp=t, dp=shard // layout.cp, pp=p, cp=shard % layout.cp)
                     held = pieces[grid.rank_of(coords)]

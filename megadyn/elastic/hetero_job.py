@@ -45,7 +45,7 @@ def build_groups(layout: Layout | HeteroLayout, members: Sequence[int], timeout=
 def describe_layout_state(model_cfg, layout, members: Sequence[int], distopt: DistOpt | None):
     """The state description of a grid or a heterogeneous layout."""
     if isinstance(layout, HeteroLayout):
-        return describe_hetero(model_cfg, layout)
+        return describe_hetero(model_cfg, layout, distopt=distopt)
     return describe(model_cfg, layout, members, distopt=distopt)
 
 
@@ -65,7 +65,7 @@ def template_planner(model_cfg, cfg, *, device_type: str, cost=None, gpu_memory_
         global_batch_size=t.global_batch_size,
         seq_length=cfg.data.seq_length,
         gpu_memory_gib=gpu_memory_gib or device_memory_gib(device_type) or 1e9,
-        distributed_optimizer=False,  # not with templates yet (build.py refuses it)
+        distributed_optimizer=False,  # a stage's whole optimizer state: a bound with ZeRO-1
         cost=cost,
         micro_batch_sizes=(t.micro_batch_size,),
         recomputes=(t.recompute,),

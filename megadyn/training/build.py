@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from megadyn.core.distributed import DistributedDataParallel, default_bucket_size
+from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megadyn.core.pipeline import PipelineConfig
 from megadyn.core.tensor_parallel import RNGTracker, seed_default_generator
 from megadyn.models import GPTConfig, build_gpt_chunks
-from megadyn.training.config import ConfigError, MegadynConfig
+from megadyn.training.config import MegadynConfig
 
 
 @dataclass
@@ -48,19 +49,19 @@ def build_model_parts(
     device,
     *,
     init_weights: bool = True,
-    stage_layers: tuple[range, ...] | None = None,
 ) -> ModelParts:
     """Seed the RNG streams, then build `model_cfg`'s chunks for this rank of `groups`, their
     DDP wrappers, the optimizer and the pipeline config. Without `init_weights` the weights are
-    left uninitialized (they come from a reshard or a checkpoint). `stage_layers`: the stages
-    of a pipeline template, `groups` being its replica's (megadyn/core/hetero_groups.py); the
-    gradients are then summed across replicas by `reduce_hetero_grads`, not by DDP."""
+    left uninitialized (they come from a reshard or a checkpoint).
+
+    `groups` is a grid's `ParallelGroups` or a heterogeneous layout's `HeteroGroups`: the model
+    is then this rank's stage of its replica (a pipeline template's layers), and the DDP
+    wrappers sum each gradient over its layer range's reduce group (and shard the optimizer
+    over it with --use-distributed-optimizer; see megadyn/core/hetero_groups.py)."""
     t, p = cfg.training, cfg.parallel
-    if stage_layers is not None and cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError(
-            "--use-distributed-optimizer does not work with replicas of different pipeline "
-            "depth yet (its shards would have to follow each layer range's reduce group)"
-        )
+    hetero = groups if isinstance(groups, HeteroGroups) else None
+    if hetero is not None:
+        groups = hetero.replica
     seed_default_generator(t.seed, groups.pp_rank, device)
     tracker = RNGTracker.create(t.seed, groups.tp_rank, groups.pp_rank, device)
     chunks = build_gpt_chunks(
@@ -70,22 +71,24 @@ def build_model_parts(
         tracker=tracker,
         seed=t.seed if init_weights else None,
         device=device,
-        stage_layers=stage_layers,
+        stage_layers=hetero.stage_layers if hetero else None,
     )
     ddp = [
         DistributedDataParallel(
             c,
-            groups.dp_cp_group,  # weights are replicated over dp x cp
-            overlap_grad_reduce=p.overlap_grad_reduce,
+            groups.dp_cp_group,  # weights are replicated over dp x cp (a replica: dp 1)
+            overlap_grad_reduce=p.overlap_grad_reduce and _may_overlap(groups, hetero),
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
-            bucket_size=default_bucket_size(p.overlap_grad_reduce, groups.dp_cp_size),
+            bucket_size=default_bucket_size(p.overlap_grad_reduce, _shards(groups, hetero)),
             shard_group=groups.intra_distopt_group,  # --num-distributed-optimizer-instances
             replica_group=groups.inter_distopt_group,
+            grad_groups=_grad_groups(c, hetero),
         )
         for c in chunks
     ]
-    optimizer = build_optimizer(chunks, ddp, groups, cfg.optimizer)
+    stats_group = hetero.stats_group if hetero else None
+    optimizer = build_optimizer(chunks, ddp, groups, cfg.optimizer, stats_group=stats_group)
     pipeline_cfg = PipelineConfig(
         hidden_size=model_cfg.hidden_size,
         dtype=model_cfg.params_dtype,
@@ -94,6 +97,25 @@ def build_model_parts(
         cp_balance=model_cfg.cp_placement == "dynamic",
     )
     return ModelParts(tracker, chunks, ddp, optimizer, pipeline_cfg)
+
+
+def _shards(groups, hetero: HeteroGroups | None) -> int:
+    """The ranks the optimizer shards over, as the state description counts them (replicas
+    of a heterogeneous layout; dp x cp of a grid): the bucket size follows it."""
+    return hetero.dp_size if hetero else groups.dp_cp_size
+
+
+def _may_overlap(groups, hetero: HeteroGroups | None) -> bool:
+    """Replicas under sequence parallelism sum over tp before their reduce groups do
+    (`reduce_hetero_grads`): their buckets wait for the end of the backward."""
+    return hetero is None or not (groups.layout.sequence_parallel and groups.tp_size > 1)
+
+
+def _grad_groups(chunk, hetero: HeteroGroups | None) -> dict | None:
+    """Each parameter's reduce group in a heterogeneous layout (None on a grid)."""
+    if hetero is None:
+        return None
+    return {p: hetero.grad_group_of(name) for name, p in chunk.named_parameters()}
 
 
 def no_sync(ddp: list[DistributedDataParallel]) -> contextlib.ExitStack:

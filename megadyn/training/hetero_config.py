@@ -23,7 +23,7 @@ def heterogeneous_conflicts(cfg: MegadynConfig) -> list[str]:
     """The flags of this job that replicas of different depth do not run with yet."""
     t, p = cfg.training, cfg.parallel
     unsupported = {
-        "--use-distributed-optimizer": cfg.optimizer.use_distributed_optimizer,
+        "--num-distributed-optimizer-instances > 1": p.num_distributed_optimizer_instances > 1,
         "--num-layers-per-virtual-pipeline-stage": p.num_layers_per_virtual_pipeline_stage,
         "--context-parallel-size > 1": p.cp > 1,
         "--micro-batch-tokens": t.micro_batch_tokens is not None,

@@ -101,12 +101,7 @@ class Trainer:
             self.microbatches.check_dp_size(groups.dp_size)
             check_variable_lengths(cfg, groups.layout)  # a planner's layout too
         parts = build_model_parts(
-            cfg,
-            self.model_cfg,
-            self.model_groups,
-            self.device,
-            init_weights=init_weights,
-            stage_layers=self.hetero.stage_layers if self.hetero else None,
+            cfg, self.model_cfg, groups, self.device, init_weights=init_weights
         )
         self.tracker, self.chunks, self.ddp = parts.tracker, parts.chunks, parts.ddp
         self.optimizer, self.pipeline_cfg = parts.optimizer, parts.pipeline_cfg

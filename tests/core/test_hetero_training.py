@@ -1,13 +1,17 @@
 """Replicas of different pipeline depth train as one process does (gloo, fp32).
 
-5 processes as one 3-stage and one 2-stage pipeline, and 7 processes as the heterogeneous
-planner's mix, each run 2 optimizer steps; every micro batch's loss equals the single-process
-run's within 1e-5, and every sample of every step is read by exactly one replica.
+5 processes as one 3-stage and one 2-stage pipeline (with and without the distributed
+optimizer, whose shards follow each layer range's reduce group), 7 processes as the
+heterogeneous planner's mix, and tp 2 x (2 + 1 stages) with the distributed optimizer, each
+run 2 optimizer steps; every micro batch's loss equals the
+single-process run's within 1e-5, the gradient norm the single process's, and every sample of
+every step is read by exactly one replica.
 """
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+
 import torch
 from pipeline_helpers import loss_fn, make_cfg
 
@@ -19,12 +23,14 @@ from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import forward_backward
 from megadyn.core.recompute import RecomputeConfig
+from megadyn.elastic.description import DistOpt
 from megadyn.elastic.hetero_description import describe_hetero
 from megadyn.elastic.hetero_planner import HeteroPlanner
 from megadyn.elastic.layout_planner import LayoutPlanner
 from megadyn.testing.spawn import spawn
 from megadyn.training.build import build_model_parts, no_sync
-from megadyn.training.config import ConfigError, MegadynConfig, TrainingConfig
+from megadyn.training.config import MegadynConfig, TrainingConfig
+from megadyn.training.tensors import export_tensors
 
 SEQ, MBS, MICRO, STEPS, LAYERS = 8, 2, 8, 2, 6
 MODEL = make_cfg("gpt2", LAYERS, seq=SEQ)
@@ -32,6 +38,9 @@ CFG = MegadynConfig(
     model=MODEL,
     training=TrainingConfig(micro_batch_size=MBS, global_batch_size=MBS * MICRO, seed=7),
     optimizer=OptimizerConfig(lr=1e-2, clip_grad=1.0),
+)
+DISTOPT = dataclasses.replace(
+    CFG, optimizer=dataclasses.replace(CFG.optimizer, use_distributed_optimizer=True)
 )
 
 
@@ -57,6 +66,7 @@ def micro_batches(step: int, first: int, count: int, read: list | None):
 
 
 def train(parts, groups, steps, draw, count: int, share: float, finalize) -> list[list[float]]:
+    """Per step, the micro batches' losses (last stages) and, last, the gradient norm."""
     losses = []
     for step in range(steps):
         parts.optimizer.zero_grad()
@@ -71,23 +81,28 @@ def train(parts, groups, steps, draw, count: int, share: float, finalize) -> lis
             loss_scale=share,
         )
         finalize()
-        parts.optimizer.step()
-        losses.append([float(x) for x in out])
+        _, norm, _ = parts.optimizer.step()
+        losses.append([float(x) for x in out] + [norm])
     return losses
 
 
-def _train_hetero(layout: HeteroLayout) -> dict:
+def _train_hetero(layout: HeteroLayout, cfg: MegadynConfig) -> dict:
     """Train under `layout` (or only build its groups, on a rank outside it)."""
     hetero = HeteroGroups.build(layout, backend="gloo")
     if not hetero.is_member:
         hetero.destroy()
         return {}
     cpu = torch.device("cpu")
-    parts = build_model_parts(CFG, MODEL, hetero.replica, cpu, stage_layers=hetero.stage_layers)
-    described = {k for k in describe_hetero(MODEL, layout).held(hetero.rank) if k[:6] == "model."}
-    assert {f"model.{n}" for c in parts.chunks for n, _ in c.named_parameters()} == described
+    parts = build_model_parts(cfg, MODEL, hetero, cpu)
+    distopt = DistOpt() if cfg.optimizer.use_distributed_optimizer else None
+    described = describe_hetero(MODEL, layout, distopt=distopt).held(hetero.rank)
+    exported = export_tensors(parts.chunks, parts.optimizer, cfg.optimizer)
+    exported = {k: t for k, t in exported.items() if t.numel()}  # not its empty shards
+    assert {k: t.numel() for k, t in exported.items()} == {  # as the description says
+        k: p.numel for k, p in described.items()
+    }
     read: list[int] = []
-    first = hetero.replica.is_first_stage
+    first = hetero.replica.is_first_stage and hetero.tp_rank == 0  # one reader per replica
     offset, count = hetero.microbatch_offset, hetero.micro_batches
     losses = train(
         parts,
@@ -99,12 +114,15 @@ def _train_hetero(layout: HeteroLayout) -> dict:
         lambda: reduce_hetero_grads(parts.ddp, hetero),
     )
     last = hetero.replica.is_last_stage
+    state_bytes = sum(  # the Adam moments (fp32 main weights are the params themselves here)
+        t.numel() * t.element_size() for k, t in exported.items() if k.endswith(("_avg", "_sq"))
+    )
     hetero.destroy()
-    return dict(read=read, offset=offset, losses=losses, last=last)
+    return dict(read=read, offset=offset, losses=losses, last=last, state_bytes=state_bytes)
 
 
-def _run(rank, world, layouts: list[HeteroLayout]):
-    results = [_train_hetero(layout) for layout in layouts]
+def _run(rank, world, runs: list[tuple[HeteroLayout, MegadynConfig]]):
+    results = [_train_hetero(layout, cfg) for layout, cfg in runs]
     single = ParallelGroups.build(Layout(), members=[0], backend="gloo")
     reference = None
     if rank == 0:  # the single-process run, through the same builders
@@ -134,6 +152,20 @@ def three_plus_two() -> HeteroLayout:
     )
 
 
+def tp_two_plus_one() -> HeteroLayout:
+    """tp 2: a 2-stage and a 1-stage replica, ranks out of order (as after a standby took a
+    place), so the tp ranks of a stage own different parts of their reduce groups' buffers."""
+    r = range
+    return HeteroLayout(
+        tp=2,
+        num_layers=LAYERS,
+        replicas=(
+            Replica((r(0, 3), r(3, 6)), (0, 5, 1, 2), micro_batches=5),
+            Replica((r(0, 6),), (3, 4), micro_batches=3),
+        ),
+    )
+
+
 def planned_seven() -> HeteroLayout:
     """The planner's mix for 7 members, with a memory limit that a 1-stage replica exceeds."""
     rc = RecomputeConfig()
@@ -155,29 +187,40 @@ def planned_seven() -> HeteroLayout:
     return plan.layout(range(7), LAYERS)
 
 
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+
+
 def test_heterogeneous_replicas_train_as_one_process():
-    layouts = [three_plus_two(), planned_seven()]  # one job of 7: ranks 5, 6 wait out the first
-    for layout in layouts:
+    # one job of 7: ranks outside a layout wait out its run
+    runs = [(three_plus_two(), CFG), (three_plus_two(), DISTOPT), (planned_seven(), CFG)]
+    runs.append((tp_two_plus_one(), DISTOPT))
+    for layout, _ in runs:
         assert len({rep.num_stages for rep in layout.replicas}) > 1  # depths differ
-    results = spawn(_run, world=7, args=(layouts,), timeout_s=300)
+    results = spawn(_run, world=7, args=(runs,), timeout_s=300)
     reference = results[0][1]
-    for n, layout in enumerate(layouts):
+    for res, _ in results:  # the same replicas with and without ZeRO-1: the same numbers
+        if res[0]:
+            for without, sharded in zip(res[0]["losses"], res[1]["losses"], strict=True):
+                assert all(map(close, sharded, without)), (sharded, without)
+    per_run = []
+    for n, (layout, _) in enumerate(runs):
         ranks = [res[n] for res, _ in results if res[n]]
         assert len(ranks) == layout.world_size
         for step in range(STEPS):
             got = {}
             for res in ranks:
                 if res["last"]:
-                    for k, loss in enumerate(res["losses"][step]):
+                    for k, loss in enumerate(res["losses"][step][:-1]):
                         got[res["offset"] + k] = loss
             assert sorted(got) == list(range(MICRO)), layout.describe()
             for j, loss in got.items():
-                assert abs(loss - reference[step][j]) <= 1e-5 * max(1.0, abs(loss)), (n, step, j)
+                assert close(loss, reference[step][j]), (n, step, j)
+            for res in ranks:  # every rank steps with the one process's gradient norm
+                assert close(res["losses"][step][-1], reference[step][-1]), (n, step)
         read = sorted(i for res in ranks for i in res["read"])
         assert read == list(range(STEPS * MICRO * MBS))  # every sample once
-
-
-def test_distributed_optimizer_is_refused_by_name():
-    cfg = MegadynConfig(model=MODEL, optimizer=OptimizerConfig(use_distributed_optimizer=True))
-    with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
-        build_model_parts(cfg, MODEL, None, torch.device("cpu"), stage_layers=(range(6),))
+        per_run.append([res["state_bytes"] for res in ranks])
+    whole, sharded = per_run[0], per_run[1]  # 3 + 2 stages without and with ZeRO-1
+    print(f"Adam state bytes per rank, 3 + 2 stages: {whole}; distributed optimizer: {sharded}")
+    assert sum(sharded) < sum(whole) and max(sharded) < max(whole)

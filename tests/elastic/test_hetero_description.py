@@ -3,12 +3,15 @@ every piece exactly once (pure, no processes)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_planner import GPT2, LLAMA, SCALARS, simulate
 
 from megadyn.core.hetero_layout import HeteroLayout, Replica
 from megadyn.core.layout import Layout
 from megadyn.elastic import describe, plan_between
+from megadyn.elastic.description import DistOpt
 from megadyn.elastic.hetero_description import describe_hetero
 
 UNTIED = LLAMA.with_(untie_embeddings_and_output_weights=True)
@@ -59,3 +62,29 @@ def test_a_stage_holds_its_layers_and_ends():
     assert [word in held(r) for r in range(5)] == [True, False, True, True, True]  # tied
     assert "optim.decoder.final_layernorm.weight.exp_avg" in held(4)
     assert "model.embedding.position_embeddings.weight" not in held(4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_distributed_optimizer_shards_follow_the_reduce_groups(tp):
+    """Grid -> 3 + 2 -> 2 + 1 -> grid with every optimizer shard flat: each element of each
+    optimizer tensor is held once per layout (a reduce group's ranks split it), and the
+    plans deliver every piece exactly."""
+    on = DistOpt(bucket_size=None)
+    layouts = [hetero(GPT2, tp, (3, 6), (5,)), hetero(GPT2, tp, (2,), ())]
+    grid = describe(GPT2, Layout(tp=tp, pp=2, dp=2), range(4 * tp), distopt=on, scalars=SCALARS)
+    five, three = (describe_hetero(GPT2, lay, distopt=on, scalars=SCALARS) for lay in layouts)
+    back = describe(GPT2, Layout(tp=tp, dp=2), range(2 * tp), distopt=on, scalars=SCALARS)
+    for old, new in ((grid, five), (five, three), (three, back), (five, back)):
+        simulate(plan_between(old, new))
+    for desc in (five, three):
+        held, copies = {}, {}  # key -> element count over every rank; tp copies of it
+        for pieces in desc.pieces.values():
+            for p in pieces:
+                if p.key.startswith("optim."):
+                    held[p.key] = held.get(p.key, 0) + p.numel
+                    whole = p.sizes == desc.tensors[p.key].shape  # replicated over tp
+                    copies[p.key] = tp if whole else 1
+        for key, count in held.items():  # the replicas' shards: each element once per copy
+            assert count == math.prod(desc.tensors[key].shape) * copies[key], key
+    word = "optim.embedding.word_embeddings.weight.main"  # tied: first and last stages split it
+    assert sum(word in five.held(r) for r in range(5 * tp)) == 4 * tp

@@ -1,7 +1,9 @@
 """--heterogeneous-pipelines end to end (gloo, fp32): a job that starts as a 3-stage and a
-2-stage replica trains as one process does, reads every sample once, and its in-memory snapshot
-and its checkpoint resume on grids (dp 2, pp 2); a live job moves from a grid to templates and back through
-tools/elastic_ctl.py with every loss equal to an uninterrupted run's."""
+2-stage replica with the distributed optimizer trains as one process does, reads every sample
+once, and its in-memory snapshot and its checkpoint resume on grids (dp 2 without, pp 2 with
+the distributed optimizer); a live job with the distributed optimizer moves from a grid to
+templates and between templates through tools/elastic_ctl.py with every loss equal to an
+uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from test_live_reconfiguration import merged_losses
 from megadyn.testing import free_port, run_pretrain, spawn
 
 STEP = 8  # --global-batch-size: samples per iteration
-ARGS = [a for a in GRID_ARGS if a != "--use-distributed-optimizer"]  # not with templates yet
+ARGS = [a for a in GRID_ARGS if a != "--use-distributed-optimizer"]
+DISTOPT = ARGS + ["--use-distributed-optimizer"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def reference() -> list[float]:
 
 def test_templates_train_as_one_process_and_resume_on_grids(tmp_path, reference):
     ckpt = str(tmp_path / "ckpt")
-    hetero = ARGS + ["--heterogeneous-pipelines", "3", "2", "--exit-interval", "4"]
+    hetero = DISTOPT + ["--heterogeneous-pipelines", "3", "2", "--exit-interval", "4"]
     hetero += ["--save", ckpt, "--save-interval", "4", "--elastic-control-port", str(free_port())]
     hetero += ["--elastic-snapshot-interval", "2", "--elastic-snapshot-dir", str(tmp_path / "snap")]
     # (its snapshot of iteration 2 completes while it trains; it resumes dp 2 below)
@@ -47,7 +50,7 @@ def test_templates_train_as_one_process_and_resume_on_grids(tmp_path, reference)
     resumed = spawn(
         run_pretrain,
         world=2,
-        args=(ARGS + ["--pipeline-model-parallel-size", "2", "--load", ckpt],),
+        args=(DISTOPT + ["--pipeline-model-parallel-size", "2", "--load", ckpt],),
     )[1]  # the last stage logs
     for want, got in zip(reference[4:], resumed, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
@@ -92,7 +95,7 @@ def live_job(rank, world, argv, port):
 def test_live_changes_between_a_grid_and_templates(reference):
     # 4 members as dp 2 x pp 2 and a standby process -> 5 as 3 + 2 stages -> 3 as 2 + 1 stages
     port = free_port()
-    argv = ARGS + ["--pipeline-model-parallel-size", "2", "--elastic-initial-members", "4"]
+    argv = DISTOPT + ["--pipeline-model-parallel-size", "2", "--elastic-initial-members", "4"]
     argv += ["--heterogeneous-pipelines", "--elastic-control-port", str(port)]
     results = spawn(live_job, world=5, args=(argv, port), timeout_s=240)
     tool = results[0]["tool"]
@@ -175,8 +178,9 @@ def test_what_templates_do_not_run_with_is_refused_naming_both_flags():
     from megadyn.training.config import ConfigError
 
     hetero = TINY + ["--heterogeneous-pipelines", "2", "1"]
-    with pytest.raises(ConfigError, match="--heterogeneous-pipelines .*--use-distributed-opt"):
-        parse_args(hetero + ["--use-distributed-optimizer"], world_size=3)
+    instances = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    with pytest.raises(ConfigError, match="--heterogeneous-pipelines .*--num-distributed-opt"):
+        parse_args(hetero + instances, world_size=3)
     with pytest.raises(ConfigError, match="--heterogeneous-pipelines 2 1 .* needs 3 processes"):
         parse_args(hetero, world_size=4)
     assert parse_args(hetero, world_size=3).parallel.heterogeneous_pipelines == (2, 1)

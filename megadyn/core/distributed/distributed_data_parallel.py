@@ -20,7 +20,7 @@ A layer that accumulates into `main_grad` itself (fused weight-gradient kernels)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -54,6 +54,7 @@ class DistributedDataParallel(nn.Module):
         average_in_collective: bool = False,
         shard_group=None,
         replica_group=None,
+        grad_groups: Mapping[nn.Parameter, object] | None = None,
     ):
         """Build the buffers of `module`'s trainable params and register the gradient hooks.
 
@@ -67,6 +68,12 @@ class DistributedDataParallel(nn.Module):
         `shard_group` is this rank's instance (the part of `dp_group` the optimizer state is
         sharded over) and `replica_group` the ranks of the other instances holding the same
         shard; by default the optimizer is sharded over all of `dp_group`.
+
+        Replicas of different pipeline depth (megadyn/core/hetero_groups.py) pass
+        `grad_groups`: the group each parameter's gradient is summed over instead of
+        `dp_group` (the ranks holding its layer range in every replica), and the group its
+        optimizer state is sharded over with the distributed optimizer; one buffer per group.
+        `dp_group` is then the replica's own (size 1): gradients are summed, not averaged.
         """
         super().__init__()
         self.module = module
@@ -96,12 +103,19 @@ class DistributedDataParallel(nn.Module):
         if replica_group is not None and first is not None and first.is_cuda:
             comm_stream = torch.cuda.Stream(first.device)  # the reduce-scatter, then all-reduce
 
-        params_by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        if grad_groups is not None and replica_group is not None:
+            raise ValueError(
+                "--num-distributed-optimizer-instances does not run with replicas of "
+                "different pipeline depth"
+            )
+        # one buffer per (param dtype, grad dtype, group): in registration order within each
+        params_by_key: dict[tuple, list[nn.Parameter]] = {}
         for param in module.parameters():
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
-            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            group = shard_group if grad_groups is None else grad_groups[param]
+            params_by_key.setdefault((param.dtype, grad_dtype, group), []).append(param)
         separate = set()
         tied = tied_embedding_weight(module)
         if use_distributed_optimizer and tied is not None:
@@ -110,7 +124,7 @@ class DistributedDataParallel(nn.Module):
             ParamAndGradBuffer(
                 params,
                 grad_dtype,
-                shard_group,
+                group,
                 bucket_size=bucket_size,
                 use_distributed_optimizer=use_distributed_optimizer,
                 gradient_scaling_factor=1.0 / self.dp_size,
@@ -119,7 +133,7 @@ class DistributedDataParallel(nn.Module):
                 replica_group=replica_group,
                 comm_stream=comm_stream,
             )
-            for (_, grad_dtype), params in params_by_dtype.items()
+            for (_, grad_dtype, group), params in params_by_key.items()
         ]
         self._param_to_bucket: dict[nn.Parameter, Bucket] = {}
         for buffer in self.buffers:

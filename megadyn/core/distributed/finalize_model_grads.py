@@ -78,16 +78,10 @@ def finalize_model_grads(chunks: Sequence[nn.Module], groups: ParallelGroups) ->
     `chunks` are this rank's model chunks, wrapped in `DistributedDataParallel` (or plain
     modules, whose `param.grad` is then used and no dp reduction happens).
     """
-    finish_grads_within_replica(chunks, groups)
-    allreduce_embedding_grads(chunks, groups)
-
-
-def finish_grads_within_replica(chunks: Sequence[nn.Module], groups: ParallelGroups) -> None:
-    """Finish the chunks' own (data-parallel) reductions, then sum the sequence-parallel grads
-    over tp: what a replica's ranks do before gradients are summed across replicas."""
     for chunk in chunks:
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
             finish()
     if groups.layout.sequence_parallel and groups.tp_size > 1:
         allreduce_sequence_parallel_grads(chunks, groups.tp_group)
+    allreduce_embedding_grads(chunks, groups)

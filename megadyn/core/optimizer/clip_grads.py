@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 
-def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank counts `param` in global gradient statistics (see module docstring)."""
-    if getattr(param, "shared_embedding", False):
+def counts_in_norm(param: nn.Parameter, tp_rank: int, tied_copy: bool = False) -> bool:
+    """Whether this rank counts `param` in global gradient statistics (see module docstring);
+    `tied_copy`: the tied embedding copy holds parts of its own (replicas of different depth
+    under the distributed optimizer shard the word embedding over first and last stages)."""
+    if getattr(param, "shared_embedding", False) and not tied_copy:
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 

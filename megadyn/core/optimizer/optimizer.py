@@ -57,7 +57,15 @@ class MixedPrecisionOptimizer:
         ddp_wrappers: Sequence[DistributedDataParallel],
         groups: ParallelGroups,
         config: OptimizerConfig,
+        *,
+        stats_group=None,
     ):
+        """Gradient statistics (norm, zeros, overflow) sum over the layout's model-parallel
+        group, and with the distributed optimizer over its shard group too. Replicas of
+        different pipeline depth (megadyn/core/hetero_groups.py) pass `stats_group`, every
+        member of the job: with the distributed optimizer each of them owns a distinct part of
+        every gradient (of the tied output copy too), and the statistics sum over it alone;
+        without it each replica holds the whole gradient and the default applies."""
         self.config = config
         self.groups = groups
         self.ddp_wrappers = list(ddp_wrappers)
@@ -120,6 +128,9 @@ class MixedPrecisionOptimizer:
         # (all of them with one instance; the other instances hold copies, counted once)
         shard_group = groups.intra_distopt_group
         self._stat_groups = [groups.mp_group] + ([shard_group] if self.distributed else [])
+        self._count_tied_copy = stats_group is not None and self.distributed
+        if self._count_tied_copy:
+            self._stat_groups = [stats_group]
 
     # --- schedule hooks ---------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -166,7 +177,11 @@ class MixedPrecisionOptimizer:
                 self._drop_main_grads()
                 return False, None, None
         tp_rank = self.groups.tp_rank
-        counted = [g for s, g in zip(self.shards, grads) if stats.counts_in_norm(s.param, tp_rank)]
+        counted = [
+            g
+            for s, g in zip(self.shards, grads)
+            if stats.counts_in_norm(s.param, tp_rank, tied_copy=self._count_tied_copy)
+        ]
         grad_norm = stats.global_grad_norm(counted, self._stat_groups, device)
         self._stop_if_interrupted()  # the norm's host read waited for the gradients
         if self.config.clip_grad > 0:
@@ -333,6 +348,9 @@ def build_optimizer(
     ddp_wrappers: Sequence[DistributedDataParallel],
     groups: ParallelGroups,
     config: OptimizerConfig,
+    *,
+    stats_group=None,
 ) -> MixedPrecisionOptimizer:
-    """The optimizer of this rank's model chunks (wrapped in `ddp_wrappers`) under `groups`."""
-    return MixedPrecisionOptimizer(chunks, ddp_wrappers, groups, config)
+    """The optimizer of this rank's model chunks (wrapped in `ddp_wrappers`) under `groups`
+    (`stats_group`: see `MixedPrecisionOptimizer`)."""
+    return MixedPrecisionOptimizer(chunks, ddp_wrappers, groups, config, stats_group=stats_group)
