@@ -16,7 +16,8 @@ The pairs are gathered into kernel calls: per query block its diagonal block (ca
 per source of keys (this rank, or one peer) its wholly visible key blocks in one call (they are
 consecutive there: one document's run of blocks) and its masked ones in another. Unmasked
 calls run through kernels.py's block kernel (fused on the GPU); masked ones (a document
-boundary inside) through blocks.py's math under the document mask.
+boundary inside) run the same fused kernel once per document (documents.py), or blocks.py's
+math under the document mask where no fused kernel runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.context_parallel.blocks import merge_into
-from megadyn.core.context_parallel.kernels import block_kernels
+from megadyn.core.context_parallel.documents import (
+    document_rects,
+    documents_backward,
+    documents_forward,
+)
+from megadyn.core.context_parallel.kernels import block_kernels, fused_kernels
 from megadyn.core.context_parallel.placement import MASKED, BlockPlacement
 
 
@@ -130,14 +136,44 @@ def _take(x: torch.Tensor, cols) -> torch.Tensor:
     return x[..., cols, :] if isinstance(cols, slice) else x.index_select(-2, cols)
 
 
-def _visible(document_ids, placement, q_block: int, call: _Call):
-    """[b, 1, N, n_keys] document mask of a masked call (None otherwise)."""
-    if not call.masked:
-        return None
+def _documents(document_ids, placement, q_block: int, call: _Call):
+    """The document ids of a call's query rows [b, N] and key columns [b, n_keys]."""
     n = placement.block_size
     q_doc = document_ids[:, q_block * n : (q_block + 1) * n]
     k_doc = torch.cat([document_ids[:, k * n : (k + 1) * n] for k in call.keys], dim=1)
-    return (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1)
+    return q_doc, k_doc
+
+
+def _masks(document_ids, placement, rank: int, calls: list[_Call], fused) -> list:
+    """Per call its document mask: None (unmasked), the visible rectangles of documents.py
+    (masked, with a fused kernel) or the [b, 1, N, n_keys] mask of the math kernel."""
+    masks = []
+    for call in calls:
+        if not call.masked:
+            masks.append(None)
+            continue
+        q_doc, k_doc = _documents(document_ids, placement, placement.blocks[rank][call.i], call)
+        if fused is not None:
+            masks.append(document_rects(q_doc, k_doc, call.causal))
+        else:
+            masks.append((q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1))
+    return masks
+
+
+def _forward_call(q, kb, vb, call: _Call, scale, kernel, fused, mask):
+    """(output, log-sum-exp) of one call, through the kernel its mask needs."""
+    if isinstance(mask, list):
+        return documents_forward(fused[0], q, kb, vb, scale, mask)
+    forward, _ = block_kernels(q, kernel, masked=mask is not None)
+    return forward(q, kb, vb, call.causal, scale, mask)
+
+
+def _backward_call(dout, q, kb, vb, out, lse, call: _Call, scale, kernel, fused, mask):
+    """The gradients of q, k and v of one call, through the kernel its mask needs."""
+    if isinstance(mask, list):
+        return documents_backward(fused[1], dout, q, kb, vb, out, lse, scale, mask)
+    _, backward = block_kernels(q, kernel, masked=mask is not None)
+    return backward(dout, q, kb, vb, out, lse, call.causal, scale, mask)
 
 
 class _DynamicAttention(torch.autograd.Function):
@@ -152,24 +188,24 @@ class _DynamicAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, n, s, d]
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        fused = fused_kernels(q, kernel)
+        masks = _masks(document_ids, placement, rank, calls, fused)
         waited = False
-        for call in calls:  # own keys first (the diagonal blocks first of all), then received
+        for call, mask in zip(calls, masks):  # own keys first (diagonal blocks first), received
             if call.source != "own" and not waited:
                 _wait(pending)
                 waited = True
             keys = kv if call.source == "own" else buffers[call.source]
             rows = slice(call.i * n, (call.i + 1) * n)
-            visible = _visible(document_ids, placement, placement.blocks[rank][call.i], call)
-            forward, _ = block_kernels(q, kernel, masked=visible is not None)
             kb, vb = _take(keys[0], call.cols), _take(keys[1], call.cols)
-            o, s = forward(q[:, :, rows], kb, vb, call.causal, scale, visible)
+            o, s = _forward_call(q[:, :, rows], kb, vb, call, scale, kernel, fused, mask)
             merge_into(out[:, :, rows], lse[:, :, rows], o.to(acc), s.to(lse.dtype))
         if not waited:
             _wait(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *buffers.values())
-        ctx.peers, ctx.calls = list(buffers), calls
-        ctx.group, ctx.placement, ctx.document_ids = group, placement, document_ids
+        ctx.peers, ctx.calls, ctx.masks, ctx.fused = list(buffers), calls, masks, fused
+        ctx.group, ctx.placement = group, placement
         ctx.scale, ctx.kernel = scale, kernel
         return out
 
@@ -188,21 +224,18 @@ class _DynamicAttention(torch.autograd.Function):
             peer: torch.zeros(b.shape, dtype=acc, device=q.device) for peer, b in buffers.items()
         }
         pending, returned = [], {}
-        remote = [c for c in ctx.calls if c.source != "own"]
-        local = [c for c in ctx.calls if c.source == "own"]
+        calls = list(zip(ctx.calls, ctx.masks))
+        remote = [(c, m) for c, m in calls if c.source != "own"]
+        local = [(c, m) for c, m in calls if c.source == "own"]
         for batch in (remote, local):
-            for call in batch:
+            for call, mask in batch:
                 keys = kv if call.source == "own" else buffers[call.source]
                 grads = dkv if call.source == "own" else dremote[call.source]
                 rows = slice(call.i * n, (call.i + 1) * n)
-                visible = _visible(
-                    ctx.document_ids, placement, placement.blocks[rank][call.i], call
-                )
-                _, backward = block_kernels(q, ctx.kernel, masked=visible is not None)
                 kb, vb = _take(keys[0], call.cols), _take(keys[1], call.cols)
-                dq_b, dk_b, dv_b = backward(
+                dq_b, dk_b, dv_b = _backward_call(
                     dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows],
-                    call.causal, ctx.scale, visible,
+                    call, ctx.scale, ctx.kernel, ctx.fused, mask,
                 )  # fmt: skip
                 dq[:, :, rows] += dq_b
                 if isinstance(call.cols, slice):
