@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from megadyn.core.context_parallel.documents import PackedDocuments
+
 BLOCK = 128
 """Tile size of the flex_attention block mask (flex_attention's default)."""
 
@@ -85,6 +87,15 @@ class DocumentMask:
     cp_placement: object | None = None
     """Under --cp-placement dynamic: the micro batch's `BlockPlacement`
     (megadyn/core/context_parallel/placement.py), which the attention's blocks follow."""
+    host_ids: torch.Tensor | None = None
+    """Under context parallelism: `document_ids` on the host, copied once per micro batch, from
+    which the blocks' per-document kernel calls take their ranges (every layer's)."""
+
+    def context_parallel_ids(self) -> PackedDocuments | None:
+        """The ids as context parallelism's attention takes them (with their host copy)."""
+        if self.document_ids is None:
+            return None
+        return PackedDocuments(self.document_ids, self.host_ids)
 
     @classmethod
     def build(
@@ -93,7 +104,8 @@ class DocumentMask:
         """The mask of `document_ids`; under context parallelism the ids alone (the ring and
         all-gather attention mask the blocks they compute), with the dynamic placement if any."""
         if context_parallel:
-            return cls(document_ids, cp_placement=cp_placement)
+            host = None if document_ids is None else document_ids.cpu()
+            return cls(document_ids, cp_placement=cp_placement, host_ids=host)
         if document_ids.is_cuda:
             return cls(document_ids, block_mask=document_block_mask(document_ids))
         return cls(document_ids, dense=dense_document_mask(document_ids))

@@ -9,8 +9,9 @@ steps (which take each rank's chunks of the batch), DDP over dp x cp and finaliz
 
 The same job runs the document-masked cases (--reset-position-ids, --reset-attention-mask,
 --eod-mask-loss on packed samples): cp 2 and 4 with both comm types, tp 2 with sequence
-parallelism, pp 2, selective recomputation, against the single-process model under the same
-masks.
+parallelism, pp 2, selective recomputation, the ring's fused kernel run once per document
+(--attention-backend flash: torch's CPU flash kernels), against the single-process model
+under the same masks.
 """
 
 import pytest
@@ -105,12 +106,15 @@ def gathered_logits(model, batch, groups) -> torch.Tensor:
 
 
 def run_case(
-    layout, members, variant, comm_type, references, recompute=None, documents=False
+    layout, members, variant, comm_type, references, recompute=None, documents=False, backend="auto"
 ) -> None:
     groups = ParallelGroups.build(layout, members)
     if not groups.is_member:
         return groups.destroy()
-    cfg = make_cfg(variant, LAYERS, seq=SEQ, cp_comm_type=comm_type, reset_position_ids=documents)
+    cfg = make_cfg(
+        variant, LAYERS, seq=SEQ, cp_comm_type=comm_type, reset_position_ids=documents,
+        attention_backend=backend,
+    )  # fmt: skip
     chunks = build_gpt_chunks(cfg, groups, recompute_cfg=recompute, seed=SEED)
     ddp = [DistributedDataParallel(chunk, groups.dp_cp_group) for chunk in chunks]
     batches = micro_batches(groups.dp_rank, M, SEQ, transform=packed if documents else None)
@@ -123,7 +127,9 @@ def run_case(
         loss_fn=lm_loss_for(groups.cp_group),
     )
     finalize_model_grads(ddp, groups)
-    what = f"{layout} {variant} {comm_type} {recompute}" + (" documents" if documents else "")
+    what = f"{layout} {variant} {comm_type} {recompute} {backend}" + (
+        " documents" if documents else ""
+    )
     ref_model, ref_losses, ref_grads = references[(variant, layout.dp, documents)]
     if groups.is_last_stage:
         # (assert_close would import torch.distributed.tensor: seconds in every process)
@@ -167,6 +173,8 @@ def body(rank, world):
         for comm_type in comm_types:
             run_case(layout, members, variant, comm_type, references, documents=True)
     run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, RECOMPUTE[1], documents=True)
+    # the fused (CPU flash) kernel once per document, the ids' host copy made once per batch
+    run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, documents=True, backend="flash")
 
 
 def test_context_parallel_matches_single_process():

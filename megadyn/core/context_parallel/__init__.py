@@ -15,6 +15,7 @@ gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
 
 from megadyn.core.context_parallel.all_gather import all_gather_attention
 from megadyn.core.context_parallel.comm import RingExchange, all_reduce_sum
+from megadyn.core.context_parallel.documents import PackedDocuments, device_ids
 from megadyn.core.context_parallel.dropout import block_dropout, call_seed
 from megadyn.core.context_parallel.dynamic import dynamic_attention
 from megadyn.core.context_parallel.kernels import block_kernels, kernel_for_backend
@@ -48,7 +49,8 @@ def context_parallel_attention(
 ):
     """Causal attention of this cp rank's queries q [b, n, s, d] over the whole sequence; k and
     v [b, g, s, d] are this rank's part (sequence.py's two chunks). With `document_ids`
-    [b, S] (the whole sequence's, on every cp rank) a query sees keys of its document only.
+    [b, S] (the whole sequence's, on every cp rank; or documents.py's PackedDocuments, which
+    carry a host copy) a query sees keys of its document only.
     `backend` (--attention-backend) picks the ring's block kernel (kernels.py); the
     all-gather variant runs torch's SDPA with the mask of the global positions. With
     `dropout_p` > 0 one seed is drawn from the current stream (call inside the tracker's
@@ -57,7 +59,7 @@ def context_parallel_attention(
     if comm_type == "p2p":
         kernel = kernel_for_backend(backend)
         return ring_attention(q, k, v, group, scale, document_ids, kernel, dropout)
-    return CP_COMM_TYPES[comm_type](q, k, v, group, scale, document_ids, dropout)
+    return CP_COMM_TYPES[comm_type](q, k, v, group, scale, device_ids(document_ids), dropout)
 
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "place_blocks",
     "split_batch_dynamic",
     "CP_COMM_TYPES",
+    "PackedDocuments",
     "RingExchange",
     "all_gather_attention",
     "all_reduce_sum",

@@ -29,9 +29,11 @@ import torch.distributed as dist
 
 from megadyn.core.context_parallel.blocks import merge_into
 from megadyn.core.context_parallel.documents import (
+    device_ids,
     document_rects,
     documents_backward,
     documents_forward,
+    packed,
 )
 from megadyn.core.context_parallel.kernels import block_kernels, fused_kernels
 from megadyn.core.context_parallel.placement import MASKED, BlockPlacement
@@ -144,18 +146,21 @@ def _documents(document_ids, placement, q_block: int, call: _Call):
     return q_doc, k_doc
 
 
-def _masks(document_ids, placement, rank: int, calls: list[_Call], fused) -> list:
+def _masks(documents, placement, rank: int, calls: list[_Call], fused) -> list:
     """Per call its document mask: None (unmasked), the visible rectangles of documents.py
-    (masked, with a fused kernel) or the [b, 1, N, n_keys] mask of the math kernel."""
+    (masked, with a fused kernel; from the host copy of the ids) or the [b, 1, N, n_keys]
+    mask of the math kernel."""
     masks = []
     for call in calls:
         if not call.masked:
             masks.append(None)
             continue
-        q_doc, k_doc = _documents(document_ids, placement, placement.blocks[rank][call.i], call)
+        q_block = placement.blocks[rank][call.i]
         if fused is not None:
+            q_doc, k_doc = _documents(documents.host, placement, q_block, call)
             masks.append(document_rects(q_doc, k_doc, call.causal))
         else:
+            q_doc, k_doc = _documents(device_ids(documents), placement, q_block, call)
             masks.append((q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1))
     return masks
 
@@ -189,7 +194,9 @@ class _DynamicAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, n, s, d]
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         fused = fused_kernels(q, kernel)
-        masks = _masks(document_ids, placement, rank, calls, fused)
+        masks = _masks(
+            packed(document_ids) if fused else document_ids, placement, rank, calls, fused
+        )
         waited = False
         for call, mask in zip(calls, masks):  # own keys first (diagonal blocks first), received
             if call.source != "own" and not waited:
@@ -273,7 +280,7 @@ def dynamic_attention(
     q, k, v, group, placement: BlockPlacement, document_ids=None, scale=None, kernel=None
 ) -> torch.Tensor:
     """Causal attention (within documents when `document_ids` [b, S], the whole sequence's,
-    is given) of this rank's queries q [b, n, s, d] over the whole sequence, whose blocks of
+    or documents.py's PackedDocuments, is given) of this rank's queries q [b, n, s, d] over the whole sequence, whose blocks of
     keys and values k, v [b, g, s, d] are spread over `group` as `placement` says."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _DynamicAttention.apply(q, k, v, group, placement, document_ids, scale, kernel)

@@ -29,9 +29,11 @@ import torch
 from megadyn.core.context_parallel.blocks import merge_into
 from megadyn.core.context_parallel.comm import RingExchange
 from megadyn.core.context_parallel.documents import (
+    device_ids,
     document_rects,
     documents_backward,
     documents_forward,
+    packed,
 )
 from megadyn.core.context_parallel.dropout import block_dropout
 from megadyn.core.context_parallel.kernels import block_kernels, fused_kernels
@@ -73,12 +75,13 @@ def _step_documents(ring: RingExchange, step: int, half: int, document_ids):
     return rows, cols, causal, q_doc, k_doc
 
 
-def _document_blocks(ring: RingExchange, half: int, document_ids) -> list:
+def _document_blocks(ring: RingExchange, half: int, host_ids) -> list:
     """Per ring step (rows, cols, visible rectangles of documents.py), None where no pair of
-    the block is visible: the document-masked blocks that the fused kernels run."""
+    the block is visible: the document-masked blocks that the fused kernels run (from the
+    host copy of the document ids)."""
     blocks = []
     for step in range(ring.size):
-        rows, cols, causal, q_doc, k_doc = _step_documents(ring, step, half, document_ids)
+        rows, cols, causal, q_doc, k_doc = _step_documents(ring, step, half, host_ids)
         rects = document_rects(q_doc, k_doc, causal)
         blocks.append((rows, cols, rects) if rects else None)
     return blocks
@@ -98,9 +101,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale, document_ids, kernel, dropout):
         ring = RingExchange(group)
         half = q.shape[2] // 2
+        documents, document_ids = document_ids, device_ids(document_ids)
         # document-masked blocks without dropout: the fused kernel per document (documents.py)
         fused = fused_kernels(q, kernel) if document_ids is not None and dropout is None else None
-        docs = _document_blocks(ring, half, document_ids) if fused else None
+        docs = _document_blocks(ring, half, packed(documents).host) if fused else None
         masked = fused is None and (document_ids is not None or dropout is not None)
         block_forward, _ = block_kernels(q, kernel, masked=masked)
         seen = None if fused else _steps_seen(ring, half, document_ids)
@@ -205,7 +209,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence, whose
     keys and values k, v [b, g, s, d] are spread over `group` (the cp group); within
-    documents when `document_ids` [b, S] (the whole sequence's) is given, with attention
+    documents when `document_ids` [b, S] (the whole sequence's; or documents.py's
+    PackedDocuments) is given, with attention
     dropout when `dropout` is (p, seed) (dropout.py). Each block runs through kernels.py's
     `kernel` ("flash", "cudnn", "math"; None: kernels.py's pick; math under dropout)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
