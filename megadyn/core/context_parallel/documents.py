@@ -1,6 +1,7 @@
 """Document-masked blocks through the fused kernels: one kernel call per document.
 
-    rects = document_rects(q_doc, k_doc, causal)      # host-side, one read of the ids
+    docs = packed(document_ids)                       # the ids on the device and on the host
+    rects = document_rects(q_doc, k_doc, causal)      # host-side (from docs.host: no device read)
     out, lse = documents_forward(forward, q, k, v, scale, rects)
     dq, dk, dv = documents_backward(backward, dout, q, k, v, out_all, lse_all, scale, rects)
 
@@ -21,12 +22,37 @@ blocks.py's; the backward takes the final output and log-sum-exp of the query ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megadyn.core.context_parallel.blocks import merge_into
 
 Rect = tuple[int, int, int, int, int, bool]
 """(batch row, query start, query end, key start, key end, causal)."""
+
+
+@dataclass(frozen=True)
+class PackedDocuments:
+    """A micro batch's document ids [b, S] where the attention runs (`ids`) and on the host
+    (`host`): the per-document calls take their ranges from the host copy, made once per
+    micro batch (models/document_attention.py), instead of reading the device at every
+    block."""
+
+    ids: torch.Tensor
+    host: torch.Tensor
+
+
+def packed(document_ids) -> PackedDocuments | None:
+    """`document_ids` as PackedDocuments (a tensor is copied to the host here, once per call)."""
+    if document_ids is None or isinstance(document_ids, PackedDocuments):
+        return document_ids
+    return PackedDocuments(document_ids, document_ids.cpu())
+
+
+def device_ids(document_ids) -> torch.Tensor | None:
+    """The document ids where the attention runs (of a tensor or PackedDocuments)."""
+    return document_ids.ids if isinstance(document_ids, PackedDocuments) else document_ids
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -46,7 +72,7 @@ def document_rects(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> li
     are wholly visible and later ones not at all."""
     if causal and q_doc.shape != k_doc.shape:
         raise ValueError(f"a causal block is square: queries {q_doc.shape}, keys {k_doc.shape}")
-    ids = torch.cat([q_doc, k_doc], dim=1).tolist()  # one read from the device per block
+    ids = torch.cat([q_doc, k_doc], dim=1).tolist()  # host ids: no read from the device
     sq = q_doc.shape[1]
     rects = []
     for b, row in enumerate(ids):
