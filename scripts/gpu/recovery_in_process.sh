@@ -9,7 +9,10 @@
 #   replicas   without the distributed optimizer: the survivor holds every piece (dp 2 -> dp 1)
 #   snapshot   with it (the reference model's flags): the dead rank's optimizer shard has no
 #              replica, so the survivor loads the newest in-memory snapshot (every 5 steps)
-# Usage: bash scripts/gpu/recovery_in_process.sh OUTDIR   (RUNS="instances replicas snapshot" by default)
+#   cost       the redundancy's steady-state price: scripts/gpu/distopt_instances.sh (1 against
+#              2 instances, alternating rounds; ROUNDS=2 here) into OUTDIR/cost
+# Usage: bash scripts/gpu/recovery_in_process.sh OUTDIR   (RUNS="instances replicas snapshot cost"
+# by default; about 6 minutes in all)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_recovery_in_process}; mkdir -p "$OUT"
 # NCCL's watchdog must leave a process whose communicators the recovery aborts up
@@ -18,7 +21,12 @@ export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 source scripts/gpu/reference_model.sh
 COMMON=(--train-iters 20 --log-interval 1 --elastic-control-port 29600 --elastic-heartbeat-timeout 30)
-for run in ${RUNS:-instances replicas snapshot}; do
+for run in ${RUNS:-instances replicas snapshot cost}; do
+  if [ "$run" = cost ]; then
+    ROUNDS=${ROUNDS:-2} bash scripts/gpu/distopt_instances.sh "$OUT/cost" 8 > /dev/null 2>&1
+    cat "$OUT/cost/table.md" 2>/dev/null || echo "cost: no table (see $OUT/cost/runs.log)"
+    continue
+  fi
   if [ "$run" = instances ]; then
     FLAGS=("${REFERENCE_MODEL[@]}" --num-distributed-optimizer-instances 2)
     EXTRA=()
