@@ -36,11 +36,10 @@ class DocumentDataset(torch.utils.data.Dataset):
         documents: np.ndarray,
         seq_length: int,
         seed: int,
-        eod: int | None = None,
     ) -> None:
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
-        self.indexed, self.seq_length, self.eod = indexed, seq_length, eod
+        self.indexed, self.seq_length = indexed, seq_length
         documents = np.asarray(documents, dtype=np.int64)
         kept = documents[indexed.sequence_lengths[documents] >= 2]
         order = np.random.RandomState(seed).permutation(len(kept))

@@ -207,7 +207,7 @@ def build_gpt_datasets(
             raise ValueError("--sample-per-document reads one --data-path prefix, not a blend")
         ranges = split_ranges(split_weights, len(indexed[0]))
         return tuple(
-            DocumentDataset(indexed[0], np.arange(b, e), seq_length, seed, tokenizer_eod)
+            DocumentDataset(indexed[0], np.arange(b, e), seq_length, seed)
             if e > b and n > 0
             else None
             for (b, e), n in zip(ranges, num_samples)

@@ -37,9 +37,8 @@ class StageModel:
     layer_seconds: float
     """Forward + backward of one transformer layer (tp collectives included)."""
     head_seconds: float
-    """Final norm, output layer and loss, on the last stage."""
-    embedding_seconds: float
-    """The embedding lookup on the first stage (the FLOP count prices it at 0)."""
+    """Final norm, output layer and loss, on the last stage: all the time outside the layers,
+    since the cost model prices the first stage's embedding lookup at nothing (no FLOPs)."""
     layer_gib: float
     """Weights, gradient buffer and optimizer state of one layer."""
     ends_gib: float
@@ -91,7 +90,6 @@ def _read(planner: LayoutPlanner, tp: int, b: int, rc: RecomputeConfig, replicas
     return StageModel(
         layer_seconds=layer_s,
         head_seconds=secs(one, single, b) - layer_s,
-        embedding_seconds=0.0,
         layer_gib=layer_gib,
         ends_gib=ends_gib,
         layer_activation_gib=layer_act,
@@ -141,7 +139,7 @@ class PipelineTemplate:
         """(seconds, GiB, params) of `layers` layers as stage `stage` of `stages`."""
         first, last = stage == 0, stage == stages - 1
         seconds = layers * model.layer_seconds
-        seconds += model.embedding_seconds * first + model.head_seconds * last
+        seconds += model.head_seconds * last
         in_flight = stages - stage
         gib = layers * (model.layer_gib + in_flight * model.layer_activation_gib)
         gib += model.ends_gib * (first or last) + model.logits_gib * last

@@ -6,6 +6,12 @@
 
 The function must be importable (defined at module level of a test module).  Results that a
 rank returns come back as a list indexed by rank.
+
+The processes are forked from one server process per test session that has imported torch
+(multiprocessing's forkserver): a fresh interpreter per rank would import torch again, which
+costs seconds of CPU per job on a loaded machine. Each rank starts with the environment,
+working directory, stdout and stderr the caller has at the call (pytest's capture included), as
+a freshly spawned process would.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -58,7 +65,32 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _worker(rank, world, port, fn, args, queue, timeout_s):
+_PRELOAD = ["torch", "torch.distributed"]  # what the server imports once for every rank
+
+
+class _CallerFd:
+    """A file descriptor of the caller, sent to the rank when the process starts (a forked
+    rank would otherwise hold the server's)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while the process starts: the fd travels with it
+        return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
+def _worker(rank, world, port, fn, args, queue, timeout_s, caller):
+    env, cwd, stdout, stderr = caller  # the caller's, not the server's
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -80,11 +112,13 @@ def _worker(rank, world, port, fn, args, queue, timeout_s):
 
 def spawn(fn, world: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """Run `fn(rank, world, *args)` on `world` processes; return each rank's result."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first job)
     queue = ctx.Queue()
     port = free_port()
+    caller = (dict(os.environ), os.getcwd(), _CallerFd(1), _CallerFd(2))
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, timeout_s))
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, timeout_s, caller))
         for r in range(world)
     ]
     for p in procs:

@@ -26,7 +26,7 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
     values = [w.item() for _, w in window]
     trainer.step_seconds = seconds / iters
     trainer.loss_by_iteration.update((i, v) for (i, _), v in zip(window, values))
-    real_tokens, trainer.window_tokens = trainer.window_tokens, 0
+    real_tokens, trainer.window_tokens = int(trainer.window_tokens), 0  # a device count
     if not trainer.logs:
         return values
     cfg, s = trainer.cfg, trainer.state

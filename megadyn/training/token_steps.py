@@ -27,14 +27,16 @@ from megadyn.data import TokenBudgetLoader
 
 
 def global_token_loss(
-    total_tokens: int, num_microbatches: int, dp_size: int
+    total_tokens: int | torch.Tensor, num_microbatches: int, dp_size: int
 ) -> Callable[[torch.Tensor, dict], torch.Tensor]:
-    """The loss function of one step's micro batches (module docstring)."""
-    scale = num_microbatches * dp_size / max(total_tokens, 1)
+    """The loss function of one step's micro batches (module docstring); `total_tokens` may
+    be a device tensor (a 0-dim count), which is then never read on the host."""
+    total = torch.as_tensor(total_tokens, dtype=torch.float64).clamp(min=1)
+    scale = num_microbatches * dp_size / total  # 0-dim fp64, rounded to the loss's dtype
 
     def loss(per_token_loss: torch.Tensor, batch: dict) -> torch.Tensor:
         mask = batch["loss_mask"].to(per_token_loss.dtype)
-        return (per_token_loss * mask).sum() * scale
+        return (per_token_loss * mask).sum() * scale.to(per_token_loss.dtype)
 
     return loss
 
@@ -47,8 +49,9 @@ class TokenStep:
     """Collated micro batches ([b_i, s_i] tensors), in order."""
     loss_fn: Callable[[torch.Tensor, dict], torch.Tensor]
     """`global_token_loss` for this step."""
-    total_tokens: int
-    """Loss tokens of the whole global batch (all dp ranks)."""
+    total_tokens: torch.Tensor
+    """Loss tokens of the whole global batch (all dp ranks): a 0-dim int64 tensor on the
+    device, read on the host only where the iteration line needs it (iteration_log.py)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -59,14 +62,14 @@ def draw_token_step(
     loader: TokenBudgetLoader, global_batch: int, groups, device: torch.device, advance=True
 ) -> TokenStep:
     """The micro batches of the step at the loader's cursor (moved past it with `advance`),
-    and their loss function; the token count is all-reduced over `groups.dp_group`."""
+    and their loss function; the token count is all-reduced over `groups.dp_group` and stays
+    on the device (no wait for the device per step)."""
     if advance:
         step = loader.next_step(global_batch)
     else:
         step = loader.step_at(loader.consumed_samples, global_batch)
-    tokens = torch.tensor([step.tokens], dtype=torch.int64, device=device)
+    total = torch.tensor(step.tokens, dtype=torch.int64, device=device)  # 0-dim
     if groups.dp_size > 1:
-        dist.all_reduce(tokens, group=groups.dp_group)
-    total = int(tokens.item())
+        dist.all_reduce(total, group=groups.dp_group)
     loss_fn = global_token_loss(total, len(step.batches), groups.dp_size)
     return TokenStep(step.batches, loss_fn, total)

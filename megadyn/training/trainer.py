@@ -8,33 +8,28 @@ Everything that depends on the layout is made in `build(groups)`, so the elastic
 call it again with new groups; the data cursor (`state.consumed_samples`) and the global batch
 size do not depend on the layout. The job runtime (megadyn/launch) runs its snapshots,
 heartbeats and elastic controller as step hooks (hooks.py).
+
+The class is split by responsibility over files of its own: the step (trainer_step.py), its
+state as reshards, recovery and snapshots see it (trainer_state.py), checkpoints
+(trainer_checkpoints.py), the log of what it drew (draws.py), the iteration line
+(iteration_log.py) and evaluation (evaluation.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megadyn.core.distributed import finalize_model_grads
-from megadyn.core.optimizer import StepInterrupted
-from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
-from megadyn.data.sampler import micro_batch_indices
-from megadyn.data.token_budget import step_share
+from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph
 from megadyn.models import lm_loss_for
-from megadyn.training import checkpoint as ckpt
-from megadyn.training.arguments import dump_args
-from megadyn.training.build import build_model_parts, no_sync
-from megadyn.training.checkpoint_items import (
-    rng_streams,
-    set_rng_streams,
-)
+from megadyn.training.build import build_model_parts
 from megadyn.training.config import MegadynConfig
 from megadyn.training.data_setup import build_datasets, build_loader
+from megadyn.training.draws import Draw, drawn_samples
 from megadyn.training.evaluation import evaluate
 from megadyn.training.hetero_step import HeteroStep
 from megadyn.training.hooks import StepHook, as_hooks
@@ -43,14 +38,15 @@ from megadyn.training.iteration_log import log_window
 from megadyn.training.metrics_log import MetricsLog
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
-from megadyn.training.state import TrainingState, TrainState
-from megadyn.training.tensors import adopt_tensors, export_tensors
-from megadyn.training.token_steps import draw_token_step
+from megadyn.training.state import TrainState
+from megadyn.training.trainer_checkpoints import TrainerCheckpoints
+from megadyn.training.trainer_state import TrainerState
+from megadyn.training.trainer_step import TrainerStep
 from megadyn.training.validation import check_variable_lengths
 from megadyn.training.wandb_logger import create_wandb_logger
 
 
-class Trainer:
+class Trainer(TrainerStep, TrainerState, TrainerCheckpoints):
     def __init__(
         self,
         cfg: MegadynConfig,
@@ -78,10 +74,10 @@ class Trainer:
         self.step_done = None  # CUDA: an event recorded after the last step's work
         self.step_seconds: float | None = None  # measured at the last log line
         self.window_tokens = 0  # real tokens since the last log line (--micro-batch-tokens)
-        self.draws: list[
-            tuple[int, int, int, int]
-        ] = []  # (cursor, dp rank, dp size, micro batches; global batch under token budgets;
-        # first sample, 0, samples for a replica of a heterogeneous layout)
+        self.draws: list[Draw] = []  # one record per step (draws.py)
+        self.scheduler: LRScheduler | None = None  # made by build, kept across layouts
+        self.hot: HotSwitch | None = None  # --dynamic-parallelism (hot_switch.py)
+        self._pending = None  # a checkpoint being saved (trainer_checkpoints.py)
         self.wandb = create_wandb_logger(
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
@@ -106,7 +102,7 @@ class Trainer:
         self.tracker, self.chunks, self.ddp = parts.tracker, parts.chunks, parts.ddp
         self.optimizer, self.pipeline_cfg = parts.optimizer, parts.pipeline_cfg
         self.loss_fn = lm_loss_for(groups.cp_group)  # over whole sequences under cp
-        previous = getattr(self, "scheduler", None)
+        previous = self.scheduler
         self.scheduler = LRScheduler.from_config(
             cfg.scheduler, cfg.optimizer, self.train_iters, optimizer=self.optimizer
         )
@@ -120,9 +116,8 @@ class Trainer:
 
     def _build_hot_switch(self, groups) -> None:
         """--dynamic-parallelism: the length plan and its other layouts' model copies."""
-        previous = getattr(self, "hot", None)
-        if previous is not None:
-            previous.release()
+        if self.hot is not None:
+            self.hot.release()
         self.hot = None
         if self.cfg.training.dynamic_parallelism:
             self.hot = HotSwitch.build(self.cfg, self.model_cfg, groups, self.chunks, self.device)
@@ -174,103 +169,13 @@ class Trainer:
         )
         return MicroBatchGraph(t.cuda_graph_warmup_steps)
 
-    # --- live reshard (megadyn/elastic) ---------------------------------------------------------
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors of training state by global key (megadyn/training/tensors.py)."""
-        self.params_ready()
-        return export_tensors(self.chunks, self.optimizer, self.cfg.optimizer)
-
-    def adopt_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Take weights and optimizer state received from the reshard (after `build`)."""
-        adopt_tensors(self.chunks, self.optimizer, state)
-
-    # --- layout-free scalars (megadyn/training/state.py) ---------------------------------------
-    def training_state(self) -> TrainingState:
-        """Progress, schedule, optimizer step and loss scaler: what checkpoints, snapshots and
-        live reconfigurations carry beside the tensors."""
-        scaler = self.optimizer.grad_scaler
-        return TrainingState(
-            progress=dataclasses.replace(self.state),
-            scheduler=self.scheduler.state_dict(),
-            optimizer_step=self.optimizer.step_count,
-            grad_scaler=scaler.state_dict() if scaler is not None else None,
-        )
-
-    def load_training_state(
-        self, ts: TrainingState, *, progress: bool = True, optimizer: bool = True
-    ) -> None:
-        """Take `ts` (after `build`): with `progress`, the iteration, data cursor and learning-
-        rate schedule; with `optimizer`, the optimizer's step count and loss scaler."""
-        if progress:
-            self.state = dataclasses.replace(ts.progress)
-            self.scheduler.load_state_dict(ts.scheduler, strict=False)
-            self.train_loader.consumed_samples = self.state.consumed_samples
-            # a recovery may go back: what this rank drew and logged after it is undone
-            self.draws = [d for d in self.draws if d[0] < self.state.consumed_samples]
-            for it in [i for i in self.loss_by_iteration if i > self.state.iteration]:
-                del self.loss_by_iteration[it]
-        if optimizer:
-            self.optimizer.step_count = ts.optimizer_step
-            scaler = self.optimizer.grad_scaler
-            if scaler is not None and ts.grad_scaler:
-                scaler.load_state_dict(ts.grad_scaler)
-
-    # --- the elastic controller's view (megadyn/elastic/protocol.py) --------------------------
-    @property
-    def iteration(self) -> int:
-        return self.state.iteration
-
-    def training_state_dict(self) -> dict:
-        return self.training_state().to_dict()
-
-    def rng_states(self) -> dict[str, torch.Tensor]:
-        return rng_streams(self.chunks)
-
-    def set_rng_states(self, states: dict[str, torch.Tensor]) -> None:
-        set_rng_streams(self.chunks, states)
-
-    def quiesce(self) -> None:
-        for hook in self.hooks:  # a snapshot being written
-            hook.quiesce(self)
-        self.drop_cuda_graph()
-
-    def rebuild(self, groups, training: dict) -> None:
-        self.state = TrainingState.from_dict(training).progress  # the loaders start there
-        self.updating = False
-        self.build(groups, init_weights=False)
-
-    def take(self, tensors: dict[str, torch.Tensor], training: dict) -> None:
-        self.adopt_state(tensors)
-        self.load_training_state(TrainingState.from_dict(training))
-
-    def log_event(self, name: str, event: dict) -> None:
-        self.wandb.log_event(name, event, step=event["iteration"])
-        self.metrics_log.event(name, event)
-
     @property
     def samples_drawn(self) -> list[int]:
         """Global sample indices this rank's data-parallel replica read (tp 0, cp 0, first
         stage)."""
-        mbs = self.cfg.training.micro_batch_size
         if self.hot is not None:  # each group's samples are dealt by the length plan
             return list(self.hot.drawn)
-        if self.token_budget:  # the draw records the global batch
-            return [i for c, r, dp, gbs in self.draws for i in step_share(c, r, dp, gbs)]
-        return [
-            i
-            for consumed, dp_rank, dp_size, n in self.draws
-            for i in (
-                range(dp_rank, dp_rank + n)  # a replica's block of a heterogeneous layout
-                if dp_size == 0
-                else (
-                    i
-                    for j in range(n)
-                    for i in micro_batch_indices(
-                        consumed + j * mbs * dp_size, dp_rank, dp_size, mbs
-                    )
-                )
-            )
-        ]
+        return drawn_samples(self.draws, self.cfg.training.micro_batch_size, self.token_budget)
 
     def params_ready(self) -> None:
         """Wait for the parameter all-gathers left running by the last step (--overlap-param-
@@ -284,153 +189,10 @@ class Trainer:
         if self.cuda_graph is not None:
             self.cuda_graph.reset()
 
-    def release(self) -> None:
-        """Drop the layout-dependent parts (this process leaves the layout)."""
-        self.drop_cuda_graph()
-        for d in self.ddp or ():
-            d.remove_hooks()
-        self.chunks = self.ddp = self.optimizer = self.train_loader = None
-        self.tracker = self.pipeline_cfg = self.loss_fn = self.cuda_graph = None
-        if self.hot is not None:
-            self.hot.release()
-            self.hot = None
-        self.scheduler.bind(None)  # it drove the optimizer, which holds groups
-
-    @property
-    def built(self) -> bool:
-        """It holds a layout's model and optimizer (not `release`d)."""
-        return self.chunks is not None
-
-    def interrupt(self) -> None:
-        """A peer died and the communicators are about to be aborted (another thread): the
-        step under way must not update with what they return from now on."""
-        if self.optimizer is not None:
-            self.optimizer.interrupted = True
-
-    def salvage(self) -> tuple[dict[str, torch.Tensor], bool]:
-        """A peer died: this rank's tensors of training state, read without communication,
-        and whether they are those of `iteration` (False when a step stopped inside the
-        optimizer's update); then everything that refers to the old groups goes (`release`)."""
-        tensors = export_tensors(self.chunks, self.optimizer, self.cfg.optimizer)
-        for hook in self.hooks:  # e.g. a snapshot being written over the old groups
-            hook.abandon(self)
-        self.release()
-        return tensors, not self.updating
-
     @property
     def logs(self) -> bool:
         """This rank prints and reports: the last rank of the layout (last stage), as Megatron."""
         return self.groups.rank == self.groups.grid.members[-1]
-
-    # --- one step ------------------------------------------------------------------------------
-    def _no_sync(self):
-        return no_sync(self.ddp)
-
-    def zero_grads(self) -> None:
-        self.optimizer.zero_grad()
-        for d in self.ddp:
-            d.zero_grad_buffer()
-
-    @property
-    def token_budget(self) -> bool:
-        """Micro batches are cut by --micro-batch-tokens (token_steps.py)."""
-        return self.cfg.training.micro_batch_tokens is not None
-
-    def gradients(self, batches, n: int, loss_fn=None) -> list[torch.Tensor]:
-        """Forward and backward of `n` micro batches from `batches`, then the reductions that
-        make the gradients final; the micro batches' losses (`loss_fn`: the layout's)."""
-        scale = self.optimizer.loss_scale
-        losses = forward_backward(
-            self.ddp,
-            self.model_groups,
-            batches,
-            n,
-            config=self.pipeline_cfg,
-            loss_fn=loss_fn or self.loss_fn,
-            no_sync=self._no_sync,
-            cuda_graph=self.cuda_graph,
-            loss_scale=self.hetero.loss_scale(scale) if self.hetero else scale,
-        )
-        if self.hetero is not None:
-            self.hetero.finish_grads(self.ddp)
-        else:
-            finalize_model_grads(self.ddp, self.groups)
-        return losses
-
-    def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
-        consumed = self.state.consumed_samples
-        g = self.groups
-        batches, loss_fn = self.train_loader, None
-        if self.hot is not None:
-            return self._hot_step(consumed)
-        if self.token_budget:
-            gbs = self.microbatches.global_batch_size(consumed)
-            step = draw_token_step(self.train_loader, gbs, g, self.device)
-            batches, n, loss_fn = iter(step.batches), step.num_microbatches, step.loss_fn
-            self.window_tokens += step.total_tokens
-        elif self.hetero is not None:
-            n = self.hetero.micro_batches
-        else:
-            n = self.microbatches.num_micro_batches(consumed, g.dp_size)
-        if g.tp_rank == g.cp_rank == g.pp_rank == 0:  # one small record per step, expanded later
-            if self.hetero is not None:  # (cursor, first sample, 0, samples): one block
-                block = self.train_loader.samples(consumed)
-                self.draws.append((consumed, block.start, 0, len(block)))
-            else:
-                self.draws.append((consumed, g.dp_rank, g.dp_size, gbs if self.token_budget else n))
-        self.zero_grads()
-        losses = self.gradients(batches, n, loss_fn)
-        applied, grad_norm = self._optimizer_step(consumed)
-        return self._mean_loss(losses), applied, grad_norm
-
-    def _hot_step(self, consumed: int) -> tuple[torch.Tensor, bool, float | None]:
-        """A step of length groups under their own layouts (--dynamic-parallelism)."""
-        self.zero_grads()
-        gbs = self.microbatches.global_batch_size(consumed)
-        loss, tokens = self.hot.gradients(self, gbs)
-        self.window_tokens += tokens
-        if self.logs:
-            self.print(self.hot.records[-1].describe(), flush=True)
-            self.metrics_log.event("dynamic_parallelism", self.hot.records[-1].to_dict())
-        applied, grad_norm = self._optimizer_step(consumed)
-        return loss, applied, grad_norm
-
-    def _optimizer_step(self, consumed: int) -> tuple[bool, float | None]:
-        """The optimizer step after the gradients are final, and the step's counters."""
-        self.updating = True  # until the step is counted: the tensors are between two steps
-        try:
-            applied, grad_norm, _ = self.optimizer.step()
-        except StepInterrupted:
-            self.updating = False  # it stopped before changing anything
-            raise
-        if applied:
-            self.scheduler.step(1)
-        else:
-            self.state.skipped_iterations += 1
-        if applied and grad_norm is not None and not math.isfinite(grad_norm):
-            self.state.nan_iterations += 1  # every rank sees the same (all-reduced) norm
-        self.state.iteration += 1
-        self.state.consumed_samples += self.microbatches.global_batch_size(consumed)
-        assert self.train_loader.consumed_samples == self.state.consumed_samples, (
-            "data cursor drifted"
-        )
-        self.updating = False
-        if self.device.type == "cuda":  # when the device is done with this step's work
-            self.step_done = self.step_done or torch.cuda.Event()
-            self.step_done.record()
-        return applied, grad_norm
-
-    def _mean_loss(self, losses) -> torch.Tensor | None:
-        """Mean lm loss of the step over micro batches and dp (on last-stage ranks)."""
-        if not self.groups.is_last_stage:
-            return None
-        if self.hetero is not None:
-            return self.hetero.mean_loss(losses)
-        loss = torch.stack([x.detach().float() for x in losses]).mean()
-        if self.groups.dp_size > 1:
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.groups.dp_size
-        return loss
 
     # --- loop ----------------------------------------------------------------------------------
     def train(self) -> list[float]:
@@ -476,71 +238,3 @@ class Trainer:
     def evaluate(self) -> float | None:
         """Validation loss over --eval-iters (megadyn/training/evaluation.py)."""
         return evaluate(self)
-
-    # --- checkpoints ---------------------------------------------------------------------------
-    def meta(self) -> dict:
-        """What a checkpoint records beside the tensors (progress, schedule, arguments)."""
-        return {**self.training_state().to_dict(), "args": dump_args(self.cfg)}
-
-    def save(self) -> None:
-        self.finish_saves()
-        self.params_ready()
-        c = self.cfg.checkpoint
-        meta = self.meta()
-        self._pending = ckpt.save_checkpoint(
-            c.save,
-            self.state.iteration,
-            self.chunks,
-            self.optimizer,
-            self.groups,
-            meta,
-            keep_last=c.keep_last,
-            async_save=c.async_save,
-        )
-        if self.logs:
-            self.print(
-                f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
-            )
-
-    # --- finishing saves; loading (megadyn/launch resumes a snapshot or --load with these) ---
-    def finish_saves(self) -> None:
-        pending = getattr(self, "_pending", None)
-        if pending is not None and pending.future is not None:
-            pending.finish()
-        self._pending = None
-
-    def load(self, path: str) -> None:
-        self.adopt(self.read(path))
-
-    def read(self, path: str) -> ckpt.ReadCheckpoint:
-        """Read a checkpoint or snapshot for this layout without touching the model (so it may
-        run in a thread beside megadyn/launch/warm_up.py)."""
-        c = self.cfg.checkpoint
-        return ckpt.read_checkpoint(
-            path,
-            self.chunks,
-            self.optimizer,
-            self.groups,
-            load_optim=not (c.no_load_optim or c.finetune),
-            load_rng=not c.no_load_rng,
-        )
-
-    def adopt(self, read: ckpt.ReadCheckpoint) -> None:
-        """Put a read checkpoint into the model, optimizer, schedule and data cursor."""
-        c = self.cfg.checkpoint
-        if not c.finetune and "scheduler" in read.meta:  # Megatron's rule, or a ConfigError
-            saved = read.meta["scheduler"]
-            read.meta["scheduler"] = self.scheduler.resume_state(saved, self.cfg.scheduler)
-        meta = ckpt.apply_checkpoint(read, self.chunks, self.optimizer, self.groups)
-        self.load_training_state(
-            TrainingState.from_dict(meta),
-            progress=not c.finetune and "state" in meta,
-            optimizer=meta["optim_restored"],
-        )
-        if self.logs:
-            self.print(
-                f" loaded checkpoint {read.path} at iteration {self.state.iteration} "
-                f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
-                f"RNG {'restored' if meta['rng_restored'] else 'reseeded'})",
-                flush=True,
-            )

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megadyn.core.context_parallel.blocks import block_backward, block_forward, merge_into
-from megadyn.core.context_parallel.dropout import block_dropout
+from megadyn.core.context_parallel.dropout import block_dropout, call_seed
 from megadyn.core.context_parallel.kernels import (
     block_kernels,
     cudnn_block_backward,
@@ -129,6 +129,38 @@ def test_math_blocks_with_dropout_merge_into_the_dropped_attention():
     assert block_dropout(5, 0.3, 1, 2, (1, 1, 4, 4), "cpu").equal(
         block_dropout(5, 0.3, 1, 2, (1, 1, 4, 4), "cpu")
     )  # drawn again for the backward: the same mask
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+        ),
+    ],
+)
+def test_call_seeds_follow_the_stream(device):
+    """A call's dropout seed is a function of the stream's state, which it moves on: the same
+    state gives the same seeds (recomputation, resume, every cp rank), successive calls differ;
+    on CPU it is the draw it always was."""
+    seed_stream = torch.cuda.manual_seed if device == "cuda" else torch.manual_seed
+    get, put = (
+        (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+        if device == "cuda"
+        else (torch.get_rng_state, torch.set_rng_state)
+    )
+    saved = get()
+    seed_stream(7)
+    start = get()
+    seeds = [call_seed(torch.device(device)) for _ in range(3)]
+    put(start)
+    assert [call_seed(torch.device(device)) for _ in range(3)] == seeds
+    assert len(set(seeds)) == 3 and all(0 <= x < 2**63 for x in seeds)
+    if device == "cpu":
+        put(start)
+        assert seeds[0] == int(torch.randint(0, 2**63 - 1, (1,)).item())
+    put(saved)
 
 
 def test_kernel_names_and_backends():

@@ -7,16 +7,9 @@ and under recomputation."""
 import os
 from collections import Counter
 
-import pytest
-
 from megadyn.testing import free_port, spawn
 from tests.elastic.test_live_reconfiguration import elastic_run
 from tests.training.test_training_run import COMMON, close, train
-
-
-@pytest.fixture(scope="module")
-def single():
-    return train(1)  # cp 1, dp 1: 4 micro batches per step
 
 
 def test_cp2_with_distributed_optimizer_trains_like_cp1_and_resumes_at_cp1(single, tmp_path):

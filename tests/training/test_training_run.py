@@ -98,10 +98,9 @@ def test_resume_under_any_layout_matches_uninterrupted(reference, world, layout)
     close(resumed, losses[3:])
 
 
-def test_distributed_optimizer_and_dp_equivalence():
+def test_distributed_optimizer_and_dp_equivalence(single):  # dp 1, 4 micro batches
     plain = train(2, "--tensor-model-parallel-size", "1")  # dp 2, 2 micro batches each
     dist_opt = train(2, "--use-distributed-optimizer")
-    single = train(1)  # dp 1, 4 micro batches
     # the updated params arrive during the next forward instead of right after the step
     overlapped = train(
         2, "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"
