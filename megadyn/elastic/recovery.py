@@ -253,6 +253,17 @@ def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding: 
             return
 
 
+def rehost(controller, rnd: Round, control: list, feed: FailureFeed) -> None:
+    """The lowest survivor serves the control store anew; the others connect to it once it
+    says so (PeerGone: another process failed first)."""
+    rank, host = control
+    if dist.get_rank() != rank and not rnd.wait_serving(rank, feed, feed.timeout_s):
+        raise PeerGone("another process failed before the control store was hosted anew")
+    controller.rehost_control(rank, host)
+    if dist.get_rank() == rank:
+        rnd.serving(rank)
+
+
 def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     """The survivors' recovery on this process (`trainer` None: a standby process): the
     trainer it runs next (None: standby) and the recovery's event (its phases' seconds)."""
@@ -270,6 +281,8 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
             trainer, plan, (t_move, t_rebuild) = move_and_rebuild(
                 controller, trainer, salvaged, rnd, decision, feed, created
             )
+            if controller.control_rank in rnd.dead:  # the control store went with its host
+                rehost(controller, rnd, decision["control"], feed)
             break
         except RecoveryError:
             raise
@@ -291,8 +304,6 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     t_done = time.perf_counter()
     controller.kept = salvaged if trainer is not None else None  # until its first step ends
     controller.live = survivors
-    if controller.control_rank in rnd.dead:  # the control store went with its host
-        controller.rehost_control(*decision["control"])
     lost = [r for r in decision["old_members"] if r in rnd.dead]  # this failure's
     failed_at = min(feed.dead()[r] for r in lost)
     resumed = decision["iteration"]
