@@ -7,7 +7,7 @@ tests/elastic/recover_worker.py, which records each step's samples) on gloo, ela
                                              place in the same layout, rank 1 hosts the control
                                              store anew; then SIGSTOP of rank 2: its watchers
                                              kill it after the heartbeat timeout, and rank 3
-                                             dies while that is handled (as the survivors
+                                             hangs while that is handled (as the survivors
                                              create their groups): the 2 survivors train under
                                              the planner's 2-process layout
     2 processes, dp2                         kill -9 of rank 0 (it hosts the control store):
@@ -146,10 +146,11 @@ def recoveries(log: str) -> list[tuple]:
 def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
     # kill -9 of rank 0 (it hosts the control store): the standby process takes its place and
     # rank 1 hosts the control store anew; then rank 2 hangs (SIGSTOP) and, while its watchers'
-    # kill is handled, rank 3 dies as the survivors create their groups: the last two go on
+    # kill is handled, rank 3 hangs too, as the survivors create their groups: its watchers
+    # kill it, and the last two go on
     flags = ["--tensor-model-parallel-size", "2", "--elastic-initial-members", "4",
              "--elastic-heartbeat-timeout", "3"]  # fmt: skip
-    in_recovery = {"RECOVER_TEST_IN_RECOVERY": "3:SIGKILL:2"}
+    in_recovery = {"RECOVER_TEST_IN_RECOVERY": "3:SIGSTOP:2"}
     code, log, out = job(tmp_path, 5, flags, [(0, 3, "SIGKILL"), (2, 7, "SIGSTOP")], in_recovery)
     assert code == 0, log[-3000:]
     (first, second) = recoveries(log)
