@@ -6,6 +6,7 @@
     reports = round.wait_reports(expected, feed, timeout_s)   # None: more died, start over
     round.decide(decision) / round.wait_decision(feed, timeout_s)
     round.arrive(rank, span, feed, timeout_s)  # False: more died; then connect to each other
+    round.serving(rank) / round.wait_serving(rank, feed, timeout_s)  # the control store anew
 
 The control store lives on rank 0, which may be the process that died, so the agreement runs
 in the store of torchrun's agent (the runtime hands it over in the `FailureFeed`), in keys of
@@ -180,6 +181,19 @@ class Round:
         keys = [f"{self.prefix}arrived/{r}" for r in expected]
         ready = lambda: True if self.store.check(keys) else None  # noqa: E731
         return _poll(ready, feed, self.dead, timeout_s, "every survivor's arrival") is not None
+
+    def serving(self, rank: int) -> None:
+        """Process `rank` serves the control store anew (its host died); a key of no round:
+        a later round with the same host finds it."""
+        self.store.set(f"recovery/control/{rank}", b"1")
+
+    def wait_serving(self, rank: int, feed: FailureFeed, timeout_s: float) -> bool:
+        """Wait until process `rank` serves the control store (a client's connection would
+        wait for the server without watching the failure records); False when another
+        failure was recorded meanwhile."""
+        key = f"recovery/control/{rank}"
+        ready = lambda: True if self.store.check([key]) else None  # noqa: E731
+        return _poll(ready, feed, self.dead, timeout_s, "the new control store") is not None
 
     def publish(self, name: str, value: bytes) -> None:
         self.store.set(f"{self.prefix}{name}", value)

@@ -393,7 +393,9 @@ class ElasticController:
         while True:
             try:
                 rec = self.channel.wait_epoch(self.epoch + 1, on_poll=poll)
-            except PeerFailed:
+            except (PeerFailed, RuntimeError) as e:  # the control store's host may have died
+                if not isinstance(e, PeerFailed) and not self.failed(STORE_FAILURE_WAIT_S):
+                    raise
                 trainer = self.recover(None)
                 if trainer is not None:
                     return trainer
@@ -444,6 +446,9 @@ class ElasticController:
             time.sleep(0.02)
 
 
+STORE_FAILURE_WAIT_S = 10.0
+"""After the control store failed under a standby process: how long to wait for the agent's
+record of a member's death (its host's) before taking the error for another one."""
 FINISHED_KEY = "finished/count"
 """Live processes done with the control store at the end of the job (`leave_control`)."""
 

@@ -30,8 +30,11 @@ read from (`Salvaged.earlier`, handed on to the next recovery through `controlle
 that a layout the recovery chose without replicas (the planner's pp 2 over two processes, say)
 does not lose what the layout before it still held twice. Every wait has a deadline
 (`feed.timeout_s`) and watches the failure records: the store polls of the agreement, and the
-creation of the new groups, which waits on each peer only for that deadline (then the job's
---distributed-timeout-minutes bounds their collectives).
+creation of the new groups (watched_store.py: their waits for a peer in the store end when a
+failure is recorded). The move's collectives end when a peer's sockets close (a dead peer, or a
+survivor that aborted its groups to agree again) or after that deadline; the new groups'
+collectives get the job's --distributed-timeout-minutes. A move that fails without a further
+failure recorded within the deadline is a RecoveryError (the restart path).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.hetero_job import build_groups, stage_and_tp
 from megadyn.elastic.planner import PlanError
 from megadyn.elastic.recovery_decision import decide, recovery_plan
+from megadyn.elastic.watched_store import PeerGone, watching_failures
 
 
 @dataclass
@@ -188,14 +192,16 @@ def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, 
     group_count_at_least(decision["group_count"])
     span = sorted(set(sources) | set(members))
     if not rnd.arrive(rank, span, feed, feed.timeout_s):
-        raise RuntimeError("another process failed before the survivors connected")
-    # a peer that dies after it arrived fails the connection after the recovery's timeout,
-    # not the job's (a group's creation waits on each peer); collectives get the job's
+        raise PeerGone("another process failed before the survivors connected")
+    # a group's creation waits in the store for each peer: a peer that dies meanwhile ends the
+    # wait when its failure is recorded (PeerGone), one that hangs after the recovery's timeout
+    # (its watchers kill it sooner); later collectives get the job's timeout
     connect = min(timedelta(seconds=feed.timeout_s), timeout)
-    span_group = dist.new_group(span, timeout=connect)  # every survivor, in one order
-    created.append(span_group)
-    groups = build_groups(layout, members, timeout=connect)
-    created.append(groups)
+    with watching_failures(lambda: bool(set(feed.dead()) - rnd.dead)):
+        span_group = dist.new_group(span, timeout=connect)  # every survivor, in one order
+        created.append(span_group)
+        groups = build_groups(layout, members, timeout=connect)
+        created.append(groups)
     groups.set_timeout(timeout)
     model_cfg = cfg.model.with_(vocab_size=decision["vocab_size"])
     plan = None
@@ -247,6 +253,17 @@ def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding: 
             return
 
 
+def rehost(controller, rnd: Round, control: list, feed: FailureFeed) -> None:
+    """The lowest survivor serves the control store anew; the others connect to it once it
+    says so (PeerGone: another process failed first)."""
+    rank, host = control
+    if dist.get_rank() != rank and not rnd.wait_serving(rank, feed, feed.timeout_s):
+        raise PeerGone("another process failed before the control store was hosted anew")
+    controller.rehost_control(rank, host)
+    if dist.get_rank() == rank:
+        rnd.serving(rank)
+
+
 def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     """The survivors' recovery on this process (`trainer` None: a standby process): the
     trainer it runs next (None: standby) and the recovery's event (its phases' seconds)."""
@@ -264,12 +281,17 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
             trainer, plan, (t_move, t_rebuild) = move_and_rebuild(
                 controller, trainer, salvaged, rnd, decision, feed, created
             )
+            if controller.control_rank in rnd.dead:  # the control store went with its host
+                rehost(controller, rnd, decision["control"], feed)
             break
         except RecoveryError:
             raise
-        except (RuntimeError, PlanError):  # a collective with a process that died meanwhile
+        except (RuntimeError, PlanError) as e:  # a process died meanwhile: agree again
             if not more_failures(feed, rnd.dead, feed.timeout_s):
-                raise
+                raise RecoveryError(
+                    f"moving to the new layout failed ({e}) and no further failure was "
+                    f"recorded within {feed.timeout_s:.0f} s"
+                ) from e
         for made in created:  # the new layout's groups: another round builds its own
             if isinstance(made, (ParallelGroups, HeteroGroups)):
                 made.destroy()
@@ -282,8 +304,6 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
     t_done = time.perf_counter()
     controller.kept = salvaged if trainer is not None else None  # until its first step ends
     controller.live = survivors
-    if controller.control_rank in rnd.dead:  # the control store went with its host
-        controller.rehost_control(*decision["control"])
     lost = [r for r in decision["old_members"] if r in rnd.dead]  # this failure's
     failed_at = min(feed.dead()[r] for r in lost)
     resumed = decision["iteration"]

@@ -83,8 +83,11 @@ class TrainerStep:
                 self.draws.append(Draw(consumed, g.dp_rank, g.dp_size, count))
         self.zero_grads()
         losses = self.gradients(batches, n, loss_fn)
+        # the loss's reduction before the update: a step that a failure cuts short after its
+        # update (a recovery counts it as done) has its loss on every rank of the replica
+        loss = self._mean_loss(losses)
         applied, grad_norm = self._optimizer_step(consumed)
-        return self._mean_loss(losses), applied, grad_norm
+        return loss, applied, grad_norm
 
     def _hot_step(self, consumed: int) -> tuple[torch.Tensor, bool, float | None]:
         """A step of length groups under their own layouts (--dynamic-parallelism)."""

@@ -6,17 +6,22 @@ recovery events) to rank<R>.json.
 
     python -m megadyn.launch ... tests/elastic/recover_worker.py <pretrain_gpt.py flags>
 
-Environment: RECOVER_TEST_OUT (the directory for the files).
+Environment: RECOVER_TEST_OUT (the directory for the files); RECOVER_TEST_IN_RECOVERY
+"<rank>:<signal>:<n>" (optional): that rank sends itself the signal (SIGKILL, SIGSTOP) when its
+n-th recovery starts creating the new layout's groups, after the survivors connected their
+span group: a failure while another one is handled, where the survivors wait on each other.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from megadyn.elastic import recovery  # noqa: E402
 from megadyn.launch import errors  # noqa: E402
 from megadyn.launch.run import main  # noqa: E402
 from megadyn.training.trainer import Trainer  # noqa: E402
@@ -41,8 +46,27 @@ def recording(train_step):
     return step
 
 
+def failing_in_recovery(build_groups, spec: str):
+    """The recovery's `build_groups`, which first sends this process the signal at its n-th
+    call when `spec` ("<rank>:<signal>:<n>") names this rank."""
+    rank, name, nth = spec.split(":")
+    calls = 0
+
+    def build(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if rank == RANK and calls == int(nth):
+            os.kill(os.getpid(), getattr(signal, name))
+        return build_groups(*args, **kwargs)
+
+    return build
+
+
 def run_and_write(argv: list[str]) -> None:
     Trainer.train_step = recording(Trainer.train_step)
+    if os.environ.get("RECOVER_TEST_IN_RECOVERY"):
+        spec = os.environ["RECOVER_TEST_IN_RECOVERY"]
+        recovery.build_groups = failing_in_recovery(recovery.build_groups, spec)
     result = main(argv)
     result = dict(result, losses={str(k): v for k, v in result["losses"].items()})
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))

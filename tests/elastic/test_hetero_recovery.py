@@ -16,7 +16,7 @@ from test_in_process_recovery import (  # noqa: F401 (reference: the module's fi
 
 def test_a_failure_keeps_the_templates_then_replans(tmp_path, reference):  # noqa: F811
     flags = ["--heterogeneous-pipelines", "3", "2", "--elastic-initial-members", "5"]
-    code, log, out = job(tmp_path, 6, flags, [(4, 3, "SIGKILL", 0), (5, 7, "SIGKILL", 0)])
+    code, log, out = job(tmp_path, 6, flags, [(4, 3, "SIGKILL"), (5, 7, "SIGKILL")])
     assert code == 0, log[-3000:]
     first, second = recoveries(log)
     assert first[1:4] == ("tp1x[pp3+pp2]", "tp1x[pp3+pp2]", "4") and first[5] == "replicas"
