@@ -277,7 +277,7 @@ def recover_or_exit(controller: ElasticController, trainer: Trainer | None) -> T
         return controller.recover(trainer)
     except RecoveryError as e:
         dead = controller.failures.dead()
-        if dist.get_rank() == min(r for r in controller.live if r not in dead):
+        if _first_to_say(controller.failures.store, f"cannot_recover/{sorted(dead)}"):
             print(
                 f" elastic: the survivors of rank(s) {sorted(dead)} cannot recover in-process: "
                 f"{e}; exiting so that torchrun's restart path runs (--max-restarts)",
@@ -285,6 +285,16 @@ def recover_or_exit(controller: ElasticController, trainer: Trainer | None) -> T
             )
         sys.stdout.flush()
         os._exit(RECOVERY_EXIT)  # the default group has a dead member: no teardown
+
+
+def _first_to_say(store, key: str) -> bool:
+    """Whether this survivor is the first to claim `key` in the agent's store (so one line
+    is printed however many survivors meet the same error); True if the store does not
+    answer: a line twice beats none."""
+    try:
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - the store's host is gone
+        return True
 
 
 def save_and_stop(trainer: Trainer) -> None:

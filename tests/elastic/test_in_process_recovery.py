@@ -211,8 +211,9 @@ def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
 
 def test_no_replica_and_no_snapshot_take_the_restart_path(tmp_path):
     # the dead rank's optimizer shard is nowhere else and no snapshot was taken: one line says
-    # so, the survivor exits and torchrun's path follows (no restarts left: the job fails)
-    code, log, _ = job(tmp_path, 2, ["--use-distributed-optimizer"], [(1, 4, "SIGKILL")])
+    # so (the first of the two survivors to claim it in the agent's store), the survivors exit
+    # and torchrun's path follows (no restarts left: the job fails)
+    code, log, _ = job(tmp_path, 3, ["--use-distributed-optimizer"], [(1, 4, "SIGKILL")])
     assert code != 0, log[-3000:]
     line = "elastic: the survivors of rank(s) [1] cannot recover in-process: no survivor holds a replica"
     assert log.count(line) == 1, log[-3000:]
