@@ -179,8 +179,7 @@ class Round:
         timeout); False when another failure was recorded meanwhile."""
         self.store.set(f"{self.prefix}arrived/{rank}", b"1")
         keys = [f"{self.prefix}arrived/{r}" for r in expected]
-        ready = lambda: True if self.store.check(keys) else None  # noqa: E731
-        return _poll(ready, feed, self.dead, timeout_s, "every survivor's arrival") is not None
+        return self._keys_set(keys, feed, timeout_s, "every survivor's arrival")
 
     def serving(self, rank: int) -> None:
         """Process `rank` serves the control store anew (its host died); a key of no round:
@@ -191,9 +190,14 @@ class Round:
         """Wait until process `rank` serves the control store (a client's connection would
         wait for the server without watching the failure records); False when another
         failure was recorded meanwhile."""
-        key = f"recovery/control/{rank}"
-        ready = lambda: True if self.store.check([key]) else None  # noqa: E731
-        return _poll(ready, feed, self.dead, timeout_s, "the new control store") is not None
+        return self._keys_set(
+            [f"recovery/control/{rank}"], feed, timeout_s, "the new control store"
+        )
+
+    def _keys_set(self, keys: list[str], feed: FailureFeed, timeout_s: float, what: str) -> bool:
+        """Wait until every key of `keys` is set; False when another failure was recorded."""
+        ready = lambda: True if self.store.check(keys) else None  # noqa: E731
+        return _poll(ready, feed, self.dead, timeout_s, what) is not None
 
     def publish(self, name: str, value: bytes) -> None:
         self.store.set(f"{self.prefix}{name}", value)

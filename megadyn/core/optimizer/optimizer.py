@@ -126,11 +126,12 @@ class MixedPrecisionOptimizer:
         # groups over which gradient statistics are summed (see clip_grads.py): the distributed
         # optimizer's shards of one instance span the dp x cp ranks holding the same weights
         # (all of them with one instance; the other instances hold copies, counted once)
-        shard_group = groups.intra_distopt_group
-        self._stat_groups = [groups.mp_group] + ([shard_group] if self.distributed else [])
         self._count_tied_copy = stats_group is not None and self.distributed
         if self._count_tied_copy:
             self._stat_groups = [stats_group]
+        else:
+            shard_group = groups.intra_distopt_group
+            self._stat_groups = [groups.mp_group] + ([shard_group] if self.distributed else [])
 
     # --- schedule hooks ---------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
