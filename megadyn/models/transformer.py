@@ -156,8 +156,10 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, d)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, d)
-        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]  # [s, b, g, d]
+        # one split, not three slices: its backward writes the gradient of qkv in one
+        # concatenation, where slices each fill a zero tensor of qkv's size and add them up
+        q, k, v = torch.split(qkv, [self.q_per_group, 1, 1], dim=3)
+        q, k, v = q.reshape(s, b, self.heads, d), k.squeeze(3), v.squeeze(3)  # k, v [s, b, g, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

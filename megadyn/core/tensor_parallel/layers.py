@@ -233,7 +233,7 @@ class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split along its input dimension: [out, in/tp] per rank.
 
     Input [s, b, in/tp]; output [s, b, out], or [s/tp, b, out] (reduce-scattered) under
-    sequence parallelism. The bias is added once, after the reduction.
+    sequence parallelism. The bias is added once, after the reduction (at tp 1 in the GEMM).
     """
 
     def __init__(
@@ -266,7 +266,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fuse = self.grad_accumulation_fusion
-        if self.comm_overlap and group_size(self.tp_group) > 1:
+        if group_size(self.tp_group) == 1:  # nothing to sum: the bias goes into the GEMM
+            return _linear(x, self.weight, self.bias, fuse, fp8=self.fp8)
+        if self.comm_overlap:
             fuse = fuse_wgrad(self.weight, fuse)
             y = row_parallel_overlap(x, self.weight, self.tp_group, fuse, self.comm_overlap)
         elif self.sequence_parallel:
