@@ -4,15 +4,16 @@ alone, back to back, with nothing between them (no norms, no communication, no o
     python -m megadyn.bench.step_bound --seq 32768 --tp 2          # one GPU's share under tp 2
     python -m megadyn.bench.step_bound --seq 32768 --cp 2          # one GPU's share under cp 2
 
-One GPU's share of one iteration of the GPT-2 block model (bench/gpt.py's shapes: hidden h,
-ffn 4h, biases, untied output layer), micro batch 1: per layer the four linear layers' forward
-GEMM, input-gradient GEMM and weight-gradient GEMM at that share's widths (tp splits the
-weights, cp the tokens), the causal attention's forward and backward (cuDNN first, as the model
-runs it; tp: its heads over the whole sequence, one call; cp: two calls with the same work as the
-balanced split's), and the output layer's three GEMMs. The sum is a lower bound on the step: any
-layout on these GPUs that computes the same FLOPs takes at least this long, so
+One GPU's share of one micro batch of the GPT-2 block model (bench/gpt.py's shapes: hidden
+h, ffn 4h, biases, untied output layer; --mbs samples): per layer the four linear layers'
+forward GEMM, input-gradient GEMM and weight-gradient GEMM at that share's widths (tp splits
+the weights, cp the tokens), the causal attention's forward and backward (cuDNN first, as the
+model runs it; tp: its heads over the whole sequence, one call; cp: calls with the same work
+as the balanced split's), and the output layer's three GEMMs. The sum is a lower bound on the
+step: any layout on these GPUs that computes the same FLOPs takes at least this long, so per
+sample
 
-    bound tokens/s per GPU = seq / (gpus * sum),   bound MFU = model FLOPs / (gpus * sum * peak)
+    bound tokens/s per GPU = seq / (gpus * sum / mbs),  bound MFU = FLOPs / (gpus * sum / mbs * peak)
 
 caps what the layout can reach. One JSON line: every kernel's time, the sum and the bounds.
 """
@@ -58,12 +59,17 @@ def _linear_ms(tokens: int, n_in: int, n_out: int, iters: int) -> float:
     return _time_ms(run, iters)
 
 
-def _attention_ms(heads: int, calls: list[tuple[int, int, bool]], head_dim: int, iters: int):
-    """Forward + backward of attention calls (queries, keys, causal) of `heads` heads."""
+def _attention_ms(
+    heads: int, calls: list[tuple[int, int, bool]], head_dim: int, b: int, iters: int
+):
+    """Forward + backward of attention calls (queries, keys, causal) of `heads` heads and
+    `b` samples."""
     tensors = []
     for sq, sk, causal in calls:
-        q = torch.randn(1, heads, sq, head_dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, heads, sk, head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        q = torch.randn(b, heads, sq, head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (
+            torch.randn(b, heads, sk, head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv"
+        )
         for t in (q, k, v):
             t.requires_grad_(True)
         tensors.append((q, k, v, causal, torch.randn_like(q)))
@@ -79,7 +85,7 @@ def _attention_ms(heads: int, calls: list[tuple[int, int, bool]], head_dim: int,
 
 def bound(a: argparse.Namespace) -> dict:
     h, s, gpus = a.hidden, a.seq, a.tp * a.cp
-    tokens, d = s // a.cp, h // a.heads
+    tokens, d = a.mbs * s // a.cp, h // a.heads
     linears = {  # (inputs, outputs) of this GPU's share of each linear layer
         "qkv": (h, 3 * h // a.tp),
         "proj": (h // a.tp, h),
@@ -93,11 +99,12 @@ def bound(a: argparse.Namespace) -> dict:
     else:  # the balanced split's work: a causal square of 2 chunks and full blocks of the rest
         chunk = s // (2 * a.cp)
         calls = [(2 * chunk, 2 * chunk, True)] + [(chunk, 2 * chunk, False)] * (a.cp - 1)
-    times["attention"] = _attention_ms(heads, calls, d, a.iters)
+    times["attention"] = _attention_ms(heads, calls, d, a.mbs, a.iters)
     layer = sum(times.values())
     vocab = a.vocab
     times["output_layer"] = _linear_ms(tokens, h, vocab // a.tp, a.iters)
-    step_ms = a.layers * layer + times["output_layer"]
+    micro_ms = a.layers * layer + times["output_layer"]  # one micro batch of mbs samples
+    step_ms = micro_ms / a.mbs  # per sample: an iteration of one sequence
     cfg = GPTConfig.gpt2(
         num_layers=a.layers,
         hidden_size=h,
@@ -112,9 +119,11 @@ def bound(a: argparse.Namespace) -> dict:
         seq=s,
         tp=a.tp,
         cp=a.cp,
+        mbs=a.mbs,
         kernels_ms={k: round(v, 3) for k, v in times.items()},
         layer_ms=round(layer, 3),
-        step_ms=round(step_ms, 2),
+        micro_batch_ms=round(micro_ms, 2),
+        step_ms_per_sample=round(step_ms, 2),
         bound_tokens_per_s_per_gpu=round(s / (gpus * step_ms / 1e3)),
         bound_mfu=round(flops / (gpus * step_ms / 1e3) / (a.peak_tflops * 1e12), 4),
     )
@@ -123,6 +132,7 @@ def bound(a: argparse.Namespace) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--mbs", type=int, default=1, help="samples per micro batch (GEMM sizes)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--layers", type=int, default=24)

@@ -4,6 +4,7 @@ ring = RingExchange(cp_group)
 received, pending = ring.start(kv)    # send to the next cp rank, receive from the previous
 ...                                   # compute while the exchange runs
 ring.wait(pending)
+pending = ring.exchange(send, to, received, source)   # any pair of cp ranks
 
 total = all_reduce_sum(local, cp_group)   # differentiable: backward all-reduces too
 """
@@ -35,10 +36,33 @@ class RingExchange:
         ]
         return received, dist.batch_isend_irecv(ops)
 
+    def exchange(self, send: torch.Tensor, to: int, received: torch.Tensor, source: int) -> list:
+        """Start sending `send` to cp rank `to` and receiving `received` from cp rank `source`
+        (every rank calls it with matching pairs); returns the pending work, which holds
+        `send` until it is waited on."""
+        ops = [
+            dist.P2POp(
+                dist.isend, send.contiguous(), dist.get_global_rank(self.group, to), self.group
+            ),
+            dist.P2POp(dist.irecv, received, dist.get_global_rank(self.group, source), self.group),
+        ]
+        work = dist.batch_isend_irecv(ops)
+        return work + [_Held(ops[0].tensor)]
+
     @staticmethod
     def wait(pending: list) -> None:
         for work in pending:
             work.wait()
+
+
+class _Held:
+    """A sent tensor kept alive in the pending list until the transfer is waited on."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> None:
+        pass
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -16,10 +16,13 @@ still travel on). With attention dropout (`dropout_p` and a `seed`, dropout.py) 
 mask comes from a generator seeded by (seed, rank, step); the backward draws it again.
 Each block runs through kernels.py's kernels (torch's fused kernels on CUDA by default);
 document-masked blocks run the same kernel once per document (documents.py), and blocks with
-attention dropout run blocks.py's math. The next step's exchange runs while a step computes. The
-backward pass goes round the ring again: keys and values travel as before, and the gradients
-of the keys and values travel with them, one step behind, until after cp shifts they are back
-on the rank that owns them.
+attention dropout run blocks.py's math. The next step's exchange runs while a step computes.
+The forward keeps the keys and values it received (cp - 1 blocks of the rank's own size), so
+the backward makes no second trip round the ring: it computes the blocks of the other ranks'
+keys first, last ring step first, and sends each block's key/value gradients straight to the
+rank that owns those keys while the next block computes; the block of the rank's own keys
+comes last, and then the gradients that the other ranks sent are added to its own. The
+gradients travel as the kernel gives them (the input's dtype from the fused kernels).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from megadyn.core.context_parallel.documents import (
     packed,
 )
 from megadyn.core.context_parallel.dropout import block_dropout
-from megadyn.core.context_parallel.kernels import block_kernels, fused_kernels
+from megadyn.core.context_parallel.kernels import KERNELS, block_kernels, fused_kernels
 from megadyn.core.context_parallel.sequence import split_sequence
 
 
@@ -109,24 +112,22 @@ class _RingAttention(torch.autograd.Function):
         block_forward, _ = block_kernels(q, kernel, masked=masked)
         seen = None if fused else _steps_seen(ring, half, document_ids)
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
-        out = lse = None
+        held, out, lse = [], None, None  # held[j]: the keys and values of ring step j
         for step in range(ring.size):
+            held.append(kv)
             if step < ring.size - 1:
                 incoming, pending = ring.start(kv)
-            if docs is not None:
-                block = docs[step]
-                if block is not None:
-                    rows, cols, rects = block
-                    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                    block_out, block_lse = documents_forward(fused[0], qb, kb, vb, scale, rects)
-            else:
-                block = _step_block(ring, step, half, document_ids, seen)
-                if block is not None:
-                    rows, cols, causal, visible = block
-                    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                    drop = _block_dropout(dropout, ring, step, qb, kb)
-                    block_out, block_lse = block_forward(qb, kb, vb, causal, scale, visible, drop)
+            block = _block(ring, step, half, docs, document_ids, seen)
             if block is not None:
+                rows, cols = block[0], block[1]
+                qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+                if docs is not None:
+                    block_out, block_lse = documents_forward(fused[0], qb, kb, vb, scale, block[2])
+                else:
+                    drop = _block_dropout(dropout, ring, step, qb, kb)
+                    block_out, block_lse = block_forward(
+                        qb, kb, vb, block[2], scale, block[3], drop
+                    )
                 if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
                     out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
                 else:
@@ -135,57 +136,107 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait(pending)
                 kv = incoming
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # the received keys and values are kept: the backward needs no second trip round the ring
+        ctx.save_for_backward(q, out, lse, *held)
         ctx.group, ctx.scale, ctx.document_ids, ctx.kernel = group, scale, document_ids, kernel
         ctx.dropout, ctx.masked, ctx.seen, ctx.fused, ctx.docs = dropout, masked, seen, fused, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        """The blocks of other ranks' keys first: each one's key/value gradients go straight
+        home (to the rank that owns those keys) while the later blocks compute, and the own
+        block last, so no transfer waits at the end but the one started before it."""
+        q, out, lse, *held = ctx.saved_tensors
         ring = RingExchange(ctx.group)
-        _, block_backward = block_kernels(q, ctx.kernel, masked=ctx.masked)
         half = q.shape[2] // 2
-        kv = torch.stack([k, v]).contiguous()
-        dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
-        dkv = dkv_pending = None
-        for step in range(ring.size):
-            if step < ring.size - 1:
-                incoming, pending = ring.start(kv)
-            if ctx.docs is not None:
-                block = ctx.docs[step]
-                if block is not None:
-                    rows, cols, rects = block
-                    dq_b, dk_b, dv_b = documents_backward(
-                        ctx.fused[1], dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                        kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], ctx.scale, rects,
-                    )  # fmt: skip
-            else:
-                block = _step_block(ring, step, half, ctx.document_ids, ctx.seen)
-                if block is not None:
-                    rows, cols, causal, visible = block
-                    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
-                    drop = _block_dropout(ctx.dropout, ring, step, qb, kb)
-                    dq_b, dk_b, dv_b = block_backward(
-                        dout[:, :, rows], qb, kb, vb, out[:, :, rows], lse[:, :, rows],
-                        causal, ctx.scale, visible, drop,
-                    )  # fmt: skip
-            if block is not None:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        sent_dtype = _partial_dtype(q, ctx.kernel, ctx.masked, ctx.docs, acc)
+        dq = torch.zeros_like(q, dtype=acc)
+        dkv = torch.zeros_like(held[0], dtype=acc)
+        pending, partials = [], []
+        for step in reversed(range(ring.size)):
+            grads = _block_grads(ctx, ring, step, half, held[step], dout, q, out, lse)
+            if grads is not None:
+                rows, cols, dq_b, dk_b, dv_b = grads
                 dq[:, :, rows] += dq_b
-            if dkv_pending is None:  # step 0: the gradients of this rank's own keys start
-                dkv = torch.zeros_like(kv, dtype=dq.dtype)
-            else:  # those of the keys now held arrive from the previous rank
-                ring.wait(dkv_pending)
-            if block is not None:
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
-            dkv, dkv_pending = ring.start(dkv)  # travels one step behind its keys
-            if step < ring.size - 1:
-                ring.wait(pending)
-                kv = incoming
-        ring.wait(dkv_pending)  # after cp shifts: the gradients of this rank's keys and values
-        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+            if step == 0:
+                if grads is not None:
+                    dkv[0][:, :, cols] += dk_b
+                    dkv[1][:, :, cols] += dv_b
+                continue
+            # this block's gradients of rank `origin`'s keys and values (zeros: nothing seen)
+            origin = (ring.rank - step) % ring.size
+            cols = _block_plan(step, origin, ring.rank, half)[1]
+            shape = held[step][:, :, :, cols].shape
+            message = (
+                torch.stack([dk_b, dv_b]).to(sent_dtype)
+                if grads is not None
+                else torch.zeros(shape, dtype=sent_dtype, device=q.device)
+            )
+            # and from the rank `step` ahead, its gradients of this rank's keys and values
+            sender = (ring.rank + step) % ring.size
+            incoming = torch.empty(
+                held[0][:, :, :, _block_plan(step, ring.rank, sender, half)[1]].shape,
+                dtype=sent_dtype,
+                device=q.device,
+            )
+            pending += ring.exchange(message, origin, incoming, sender)
+            partials.append((step, sender, incoming))
+        ring.wait(pending)
+        for step, sender, incoming in partials:
+            dkv[:, :, :, _block_plan(step, ring.rank, sender, half)[1]] += incoming
+        kv_dtype = held[0].dtype
+        return (
+            dq.to(q.dtype),
+            dkv[0].to(kv_dtype),
+            dkv[1].to(kv_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _block(ring: RingExchange, step: int, half: int, docs, document_ids, seen):
+    """Ring step `step`'s block: (rows, cols, rectangles) through the per-document kernels,
+    (rows, cols, causal, visible) otherwise; None when nothing in it is visible."""
+    if docs is not None:
+        return docs[step]
+    return _step_block(ring, step, half, document_ids, seen)
+
+
+def _block_grads(ctx, ring: RingExchange, step: int, half: int, kv, dout, q, out, lse):
+    """(rows, cols, dq, dk, dv) of ring step `step`'s block over the keys and values `kv`
+    held there; None when nothing in it is visible."""
+    block = _block(ring, step, half, ctx.docs, ctx.document_ids, ctx.seen)
+    if block is None:
+        return None
+    rows, cols = block[0], block[1]
+    qb, kb, vb = q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols]
+    if ctx.docs is not None:
+        grads = documents_backward(
+            ctx.fused[1], dout[:, :, rows], qb, kb, vb, out[:, :, rows], lse[:, :, rows],
+            ctx.scale, block[2],
+        )  # fmt: skip
+    else:
+        _, block_backward = block_kernels(q, ctx.kernel, masked=ctx.masked)
+        drop = _block_dropout(ctx.dropout, ring, step, qb, kb)
+        grads = block_backward(
+            dout[:, :, rows], qb, kb, vb, out[:, :, rows], lse[:, :, rows],
+            block[2], ctx.scale, block[3], drop,
+        )  # fmt: skip
+    return (rows, cols, *grads)
+
+
+def _partial_dtype(q, kernel, masked: bool, docs, acc) -> torch.dtype:
+    """The dtype of a block's key/value gradients, as every rank computes it: the input's
+    from the fused kernels, the accumulation precision from the math and per-document paths
+    (they sum several calls): so a rank sends them as they are and knows what it receives."""
+    if docs is not None or block_kernels(q, kernel, masked=masked) is KERNELS["math"]:
+        return acc
+    return q.dtype
 
 
 def _block_dropout(dropout, ring: RingExchange, step: int, q, k):
