@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: megadyn's benchmark and Megatron-Core's reference benchmark on the reference
 # rows of shared/bench/README.md, in one command, then a table of ratios (tools/bench_table.py).
-# Usage: bash scripts/gpu/bench_compare.sh OUTDIR [ITERS]   (needs .whl/ and .bench/, see BENCHMARKS.md)
+# Usage: bash scripts/gpu/bench_compare.sh OUTDIR [ITERS]   (needs .whl/ and .bench/, see BENCHMARKS.md;
+# without them, megadyn's rows only)
 # ONLY="tp1 tp2 tp2_sp" runs a subset of rows; MEGADYN_ARGS adds options to every megadyn run;
 # ROW_TIMEOUT (s, default 300) stops a run that hangs; ROUNDS=N (default 1) runs all the rows N
 # times in turn, and the table shows the median and each round's ratio (hosts drift, see
@@ -12,6 +13,8 @@ OUT=${1:-/tmp/megadyn_bench}; ITERS=${2:-10}; ROW_TIMEOUT=${ROW_TIMEOUT:-300}; R
 mkdir -p "$OUT"
 ONLY=${ONLY:-"tp1 tp2 pp2 tp2_pp2 tp2_pp2_vpp2 dp4 tp2_sp"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+source scripts/gpu/mcore.sh
+MCORE=1; mcore_ready "$OUT" || MCORE=0
 ROWS=(  # name nproc args frameworks [env] (Megatron-Core's local spec refuses sequence parallelism)
   "tp1|1|--tp 1|mcore megadyn"
   "tp2|2|--tp 2|mcore megadyn"
@@ -38,6 +41,7 @@ for round in $(seq 1 "$ROUNDS"); do
     IFS='|' read -r name n args frameworks envs <<< "$row"
     [[ " $ONLY " == *" $name "* ]] || continue
     for fw in $frameworks; do
+      [ "$fw" = mcore ] && [ "$MCORE" = 0 ] && continue
       script=tools/bench_gpt.py; extra=$MEGADYN_ARGS
       [ "$fw" = mcore ] && script=.bench/mcore_gpt_bench.py && extra=""
       log="$OUT/${fw}_${name}_r${round}.log"

@@ -58,6 +58,7 @@ mkdir -p "$OUT"
 LOGS=$(mktemp -d)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+source scripts/gpu/mcore.sh
 BUDGET_S=${BUDGET_S:-560}; TINY=${TINY:-0}; START=$SECONDS
 left() { echo $((BUDGET_S - (SECONDS - START))); }
 min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
@@ -93,15 +94,8 @@ part_reference() {
   )
   local tiny=()
   [ "$TINY" = 1 ] && tiny=(--layers 2 --hidden 64 --heads 4 --seq 64 --vocab 1024) && frameworks=megadyn
-  [ -d /tmp/site/megatron ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # installed by an earlier call
-  if [[ " $frameworks " == *" mcore "* ]] && ! python3 -c "import megatron.core" 2> /dev/null; then
-    if [ -d .whl ] && [ -f .bench/mcore_gpt_bench.py ]; then
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$LOGS/pip.log" 2>&1
-      export PYTHONPATH=$PYTHONPATH:/tmp/site
-    else
-      md "- Megatron-Core: .whl/ or .bench/mcore_gpt_bench.py missing (BENCHMARKS.md, How to run): megadyn only"
-      frameworks=megadyn
-    fi
+  if [[ " $frameworks " == *" mcore "* ]] && ! mcore_ready "$LOGS" > "$LOGS/mcore.txt"; then
+    md "- $(< "$LOGS/mcore.txt")"; frameworks=megadyn
   fi
   : > "$OUT/reference.jsonl"
   for round in $(seq 1 "$rounds"); do
