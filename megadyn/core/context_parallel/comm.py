@@ -4,7 +4,7 @@ ring = RingExchange(cp_group)
 received, pending = ring.start(kv)    # send to the next cp rank, receive from the previous
 ...                                   # compute while the exchange runs
 ring.wait(pending)
-pending = ring.exchange(send, to, received, source)   # any pair of cp ranks
+pending = ring.exchange([a, b], to, [a_in, b_in], source)   # any pair of cp ranks
 
 total = all_reduce_sum(local, cp_group)   # differentiable: backward all-reduces too
 """
@@ -36,18 +36,15 @@ class RingExchange:
         ]
         return received, dist.batch_isend_irecv(ops)
 
-    def exchange(self, send: torch.Tensor, to: int, received: torch.Tensor, source: int) -> list:
-        """Start sending `send` to cp rank `to` and receiving `received` from cp rank `source`
-        (every rank calls it with matching pairs); returns the pending work, which holds
-        `send` until it is waited on."""
-        ops = [
-            dist.P2POp(
-                dist.isend, send.contiguous(), dist.get_global_rank(self.group, to), self.group
-            ),
-            dist.P2POp(dist.irecv, received, dist.get_global_rank(self.group, source), self.group),
-        ]
-        work = dist.batch_isend_irecv(ops)
-        return work + [_Held(ops[0].tensor)]
+    def exchange(self, sends: list, to: int, receives: list, source: int) -> list:
+        """Start sending the tensors `sends` to cp rank `to` and receiving `receives` from cp
+        rank `source` (every rank calls it with matching pairs); returns the pending work,
+        which holds the sent tensors until it is waited on."""
+        to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
+        sends = [t.contiguous() for t in sends]
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in receives]
+        return dist.batch_isend_irecv(ops) + [_Held(sends)]
 
     @staticmethod
     def wait(pending: list) -> None:
@@ -56,10 +53,10 @@ class RingExchange:
 
 
 class _Held:
-    """A sent tensor kept alive in the pending list until the transfer is waited on."""
+    """Sent tensors kept alive in the pending list until the transfer is waited on."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+    def __init__(self, tensors: list) -> None:
+        self.tensors = tensors
 
     def wait(self) -> None:
         pass

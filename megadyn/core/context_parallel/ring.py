@@ -167,25 +167,22 @@ class _RingAttention(torch.autograd.Function):
                 continue
             # this block's gradients of rank `origin`'s keys and values (zeros: nothing seen)
             origin = (ring.rank - step) % ring.size
-            cols = _block_plan(step, origin, ring.rank, half)[1]
-            shape = held[step][:, :, :, cols].shape
-            message = (
-                torch.stack([dk_b, dv_b]).to(sent_dtype)
-                if grads is not None
-                else torch.zeros(shape, dtype=sent_dtype, device=q.device)
-            )
+            shape = held[0][0][:, :, _block_plan(step, origin, ring.rank, half)[1]].shape
+            if grads is None:
+                message = [torch.zeros(shape, dtype=sent_dtype, device=q.device)] * 2
+            else:  # as the kernel gave them: no copy into one message
+                message = [g.to(sent_dtype) for g in grads[3:]]
             # and from the rank `step` ahead, its gradients of this rank's keys and values
             sender = (ring.rank + step) % ring.size
-            incoming = torch.empty(
-                held[0][:, :, :, _block_plan(step, ring.rank, sender, half)[1]].shape,
-                dtype=sent_dtype,
-                device=q.device,
-            )
+            cols = _block_plan(step, ring.rank, sender, half)[1]
+            shape = held[0][0][:, :, cols].shape
+            incoming = [torch.empty(shape, dtype=sent_dtype, device=q.device) for _ in "kv"]
             pending += ring.exchange(message, origin, incoming, sender)
-            partials.append((step, sender, incoming))
+            partials.append((cols, incoming))
         ring.wait(pending)
-        for step, sender, incoming in partials:
-            dkv[:, :, :, _block_plan(step, ring.rank, sender, half)[1]] += incoming
+        for cols, (dk_in, dv_in) in partials:
+            dkv[0][:, :, cols] += dk_in
+            dkv[1][:, :, cols] += dv_in
         kv_dtype = held[0].dtype
         return (
             dq.to(q.dtype),
