@@ -77,7 +77,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out, block_lse) -> No
     place: both become the attention over the union of their keys."""
     new_lse = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
-    out.add_(block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    out.addcmul_(block_out, torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
 
 

@@ -98,7 +98,8 @@ def cudnn_block_forward(q, k, v, causal: bool, scale: float, visible=None, dropo
     """`fused_block_forward` through torch's cuDNN attention (CUDA)."""
     _unmasked(visible, dropout)
     heads = q.shape[1]
-    q, k, v = _rows(q), _rows(_expand(k, heads)), _rows(_expand(v, heads))
+    # cuDNN reads strided operands: the ring's row and column slices go in without a copy
+    k, v = _expand(k, heads), _expand(v, heads)
     res = _aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )
@@ -111,8 +112,8 @@ def cudnn_block_backward(
     """`fused_block_backward` through torch's cuDNN attention (CUDA)."""
     _unmasked(visible, dropout)
     heads, groups = q.shape[1], k.shape[1]
-    q, dout, out = _rows(q), _rows(dout.to(q.dtype)), _rows(out.to(q.dtype))
-    k, v = _rows(_expand(k, heads)), _rows(_expand(v, heads))
+    dout, out = dout.to(q.dtype), out.to(q.dtype)  # strided operands, as in the forward
+    k, v = _expand(k, heads), _expand(v, heads)
     lse = _rows(lse.unsqueeze(-1))
     seed = offset = torch.empty((), dtype=torch.long, device=q.device)  # no dropout: unread
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(

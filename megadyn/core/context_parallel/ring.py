@@ -153,17 +153,14 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         sent_dtype = _partial_dtype(q, ctx.kernel, ctx.masked, ctx.docs, acc)
         dq = torch.zeros_like(q, dtype=acc)
-        dkv = torch.zeros_like(held[0], dtype=acc)
         pending, partials = [], []
         for step in reversed(range(ring.size)):
             grads = _block_grads(ctx, ring, step, half, held[step], dout, q, out, lse)
             if grads is not None:
                 rows, cols, dq_b, dk_b, dv_b = grads
                 dq[:, :, rows] += dq_b
-            if step == 0:
-                if grads is not None:
-                    dkv[0][:, :, cols] += dk_b
-                    dkv[1][:, :, cols] += dv_b
+            if step == 0:  # the own block: every query sees its own key, all columns
+                dk, dv = grads[3].to(acc), grads[4].to(acc)
                 continue
             # this block's gradients of rank `origin`'s keys and values (zeros: nothing seen)
             origin = (ring.rank - step) % ring.size
@@ -181,13 +178,13 @@ class _RingAttention(torch.autograd.Function):
             partials.append((cols, incoming))
         ring.wait(pending)
         for cols, (dk_in, dv_in) in partials:
-            dkv[0][:, :, cols] += dk_in
-            dkv[1][:, :, cols] += dv_in
+            dk[:, :, cols] += dk_in
+            dv[:, :, cols] += dv_in
         kv_dtype = held[0].dtype
         return (
             dq.to(q.dtype),
-            dkv[0].to(kv_dtype),
-            dkv[1].to(kv_dtype),
+            dk.to(kv_dtype),
+            dv.to(kv_dtype),
             None,
             None,
             None,
