@@ -8,7 +8,9 @@
 #   h4096x24  the same with 24 layers (4.8B), tp2 only: 86 GB of state, 43 GB a GPU at tp2
 # The hidden-4096 models run without the distributed optimizer (it shards nothing at dp 1).
 # A mode is bf16 or FORMAT/RECIPE, with +nocache to quantize each weight at every micro batch
-# instead of once per step (--no-fp8-weight-cache), e.g. hybrid/tensorwise+nocache. The
+# instead of once per step (--no-fp8-weight-cache), e.g. hybrid/tensorwise+nocache, and +graph to
+# replay each micro batch from a CUDA graph (--cuda-graph: eager FP8 and tp2 steps of the
+# hidden-2048 model wait on the host), e.g. "bf16+graph hybrid/tensorwise+graph". The
 # Megatron-Core row (.bench/mcore_gpt_bench.py, installed from .whl/ by scripts/gpu/mcore.sh;
 # without them one line says so and the rest runs) has no sequence parallelism at tp2: its local
 # layer spec refuses it.
@@ -80,13 +82,14 @@ if [ "$MCORE" = 1 ] && [[ " $MODELS " == *" ref "* ]]; then
 fi
 
 run_one() {  # run_one TP MODEL MODE ROUND: one benchmark process group, its line into results.jsonl
-  local tp=$1 model=$2 mode=$3 round=$4 script=tools/bench_gpt.py args=(--tp "$1") base=${3%+nocache}
+  local tp=$1 model=$2 mode=$3 round=$4 script=tools/bench_gpt.py args=(--tp "$1") base=${3%%+*}
   if [ "$mode" = mcore ]; then
     script=.bench/mcore_gpt_bench.py
   else
     [ "$tp" -gt 1 ] && args+=(--sp)
     [ "$base" != bf16 ] && args+=(--fp8-format "${base%/*}" --fp8-recipe "${base#*/}")
-    [ "$base" != "$mode" ] && args+=(--no-fp8-weight-cache)
+    [[ "$mode" == *+nocache* ]] && args+=(--no-fp8-weight-cache)
+    [[ "$mode" == *+graph* ]] && args+=(--cuda-graph)
   fi
   local log="$LOGS/tp${tp}_${model}_${mode//[\/+]/_}_r$round.log" t0=$SECONDS
   torchrun --standalone --nproc-per-node "$tp" $script ${SHAPE[$model]} "${args[@]}" \
@@ -133,7 +136,7 @@ for key, rs in runs.items():
     mfu = statistics.median(r["mfu"] for r in rs)
     print(f"| {tp}{' +SP' if rs[0]['sp'] else ''} | {model} | "
           f"{'Megatron-Core bf16' if mode == 'mcore' else mode} | {tps} | {med[key]:.0f} | "
-          f"{vs(key, 'bf16')} | {vs(key, 'mcore')} | {100 * mfu:.1f}% | "
+          f"{vs(key, 'bf16+graph' if '+graph' in mode else 'bf16')} | {vs(key, 'mcore')} | {100 * mfu:.1f}% | "
           f"{max(r['peak_mem_gib'] for r in rs):.1f} | {', '.join(str(r['wall_s']) for r in rs)} |")
 PY
 echo "benchmark runs: $((SECONDS - start)) s"
