@@ -95,6 +95,12 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         help="the cross entropy through its Triton kernels (auto: on a GPU)",
     )
     p.add_argument(
+        "--bias-gelu-fusion",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="fc1's bias and the GeLU through their Triton kernels (auto: bf16 on a GPU)",
+    )
+    p.add_argument(
         "--attention-backend",
         choices=["auto", "flash", "fused", "unfused", "local"],
         default="auto",
@@ -152,6 +158,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         params_dtype=torch.bfloat16,
         gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
         fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
+        bias_gelu_fusion=dict(auto=None, on=True, off=False)[a.bias_gelu_fusion],
         attention_backend=a.attention_backend,
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport,

@@ -29,6 +29,7 @@ from megadyn.core.tensor_parallel import (
     group_size,
     mark_param,
 )
+from megadyn.core.tensor_parallel.bias_gelu import bias_gelu, use_bias_gelu
 from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
 from megadyn.models.document_attention import DocumentMask, document_attention
@@ -176,6 +177,7 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
+        self.bias_gelu_fusion = cfg.bias_gelu_fusion
         tp = group_size(tp_group)
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
         kw = dict(
@@ -198,13 +200,22 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
+        fused = self.fuses_bias_gelu(x)
+        y = self.linear_fc1(x, skip_bias_add=fused)  # [s, b, ffn/tp] (x2 for SwiGLU)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
+        elif fused:  # the bias joins inside the GeLU's kernels (bias_gelu.py)
+            y = bias_gelu(y, self.linear_fc1.bias, self.gelu_approximate)
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)
+
+    def fuses_bias_gelu(self, x: torch.Tensor) -> bool:
+        """Whether fc1's bias and the GeLU run fused for input `x` (GPTConfig.bias_gelu_fusion)."""
+        if self.swiglu or self.linear_fc1.bias is None:
+            return False
+        return use_bias_gelu(self.bias_gelu_fusion, x)
 
 
 class TransformerLayer(nn.Module):
