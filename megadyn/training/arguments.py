@@ -133,6 +133,8 @@ def _add_network_args(p: argparse.ArgumentParser) -> None:
     m("--no-cross-entropy-loss-fusion", "fused_loss", action="store_const", const=False)
     m("--bias-gelu-fusion", action="store_const", const=True)
     m("--no-bias-gelu-fusion", "bias_gelu_fusion", action="store_const", const=False)
+    m("--residual-norm-fusion", action="store_const", const=True)
+    m("--no-residual-norm-fusion", "residual_norm_fusion", action="store_const", const=False)
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
     extra("--group-query-attention", dest="flag.gqa", action="store_true", help="Use GQA.")
     extra("--swiglu", dest="flag.swiglu", action="store_true", help="SwiGLU MLP instead of GeLU.")

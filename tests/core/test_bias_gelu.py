@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megadyn.testing import spawn
+from tests.core.triton_helpers import (
+    assert_close_scaled,
+    compiled,
+    gradients,
+    interpreted,
+    uninterpreted,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
@@ -104,44 +110,26 @@ def mlp_body(rank, world, dtype, approximate):
         mlps[fused] = DistributedDataParallel(mlp, dp_group) if dtype != torch.float32 else mlp
     x = torch.randn(7, 3, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
     w = torch.randn(7, 3, 24, generator=torch.Generator().manual_seed(3))
-    outs, grads = {}, {}
     for fused, model in mlps.items():
-        inner = model.module if hasattr(model, "module") else model
-        assert inner.fuses_bias_gelu(x) is fused
-        x_ = x.clone().requires_grad_()
-        outs[fused] = model(x_)
-        (outs[fused].float() * w).sum().backward()
-        grads[fused] = {"x": x_.grad.float()}
-        for name, p in inner.named_parameters():
-            grads[fused][name] = (p.main_grad if hasattr(p, "main_grad") else p.grad).float()
+        assert getattr(model, "module", model).fuses_bias_gelu(x) is fused
+    grads = {fused: gradients(model, x, w) for fused, model in mlps.items()}
+    assert "linear_fc1.bias" in grads[True]
     # bf16: the plain path rounds y + b once in the GEMM, the fused one rounds y, then adds b;
     # a few bf16 steps of each tensor's largest element
     tol = TOLERANCE[torch.float32] if dtype == torch.float32 else dict(rtol=0, atol=2**-6)
-    grads[True]["out"], grads[False]["out"] = outs[True].detach(), outs[False].detach()
-    assert grads[True].keys() == grads[False].keys() and "linear_fc1.bias" in grads[True]
-    for name in grads[True]:
-        fused, plain = grads[True][name].float(), grads[False][name].float()
-        scale = plain.abs().max()
-        torch.testing.assert_close(
-            fused / scale, plain / scale, **tol, msg=lambda m, name=name: f"{name}: {m}"
-        )
+    assert_close_scaled(grads[True], grads[False], tol)
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned processes
-
-
-def test_kernels_match_torch(interpreter):
-    spawn(kernels_body, world=1)
+def test_kernels_match_torch(monkeypatch):
+    interpreted(monkeypatch, kernels_body)
 
 
 @pytest.mark.parametrize(
     "tp, dtype, approximate",
     [(1, torch.float32, "none"), (1, torch.bfloat16, "none"), (2, torch.bfloat16, "tanh")],
 )
-def test_mlp_fused_equals_plain(interpreter, tp, dtype, approximate):
-    spawn(mlp_body, world=tp, args=(dtype, approximate))
+def test_mlp_fused_equals_plain(monkeypatch, tp, dtype, approximate):
+    interpreted(monkeypatch, mlp_body, world=tp, args=(dtype, approximate))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -150,42 +138,30 @@ def test_kernels_match_torch_on_cuda():
 
 
 def hopper_body(rank, world):
-    """Compile both kernels for sm_90 (no GPU needed): what the interpreter lets pass, a
-    compiled kernel may refuse (a Python global read inside @triton.jit, say)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """Both kernels compile for sm_90 (no GPU needed), with 128-bit accesses."""
     from megadyn.core.tensor_parallel import bias_gelu_kernels as kernels
+    from megadyn.testing.triton_compile import hopper_ptx
 
-    pointers = {
-        kernels._forward_kernel: ["*bf16"] * 3,
-        kernels._backward_kernel: ["*bf16"] * 4 + ["*fp32"],
+    sizes = {"rows": "i32", "cols": "i32"}
+    signatures = {
+        kernels._forward_kernel: dict.fromkeys(["y_ptr", "bias_ptr", "z_ptr"], "*bf16"),
+        kernels._backward_kernel: {
+            **dict.fromkeys(["grad_ptr", "y_ptr", "bias_ptr", "dy_ptr"], "*bf16"),
+            "partials_ptr": "*fp32",
+        },
     }
-    for kernel, types in pointers.items():
-        names = kernel.arg_names
-        signature = dict(zip(names, types + ["i32", "i32"] + ["constexpr"] * 4))
+    for kernel, pointers in signatures.items():
         blocks = dict(BLOCK_M=kernels.BLOCK_M, BLOCK_N=kernels.BLOCK_N)
-        if "ROW_BLOCKS" in names:
+        if "ROW_BLOCKS" in kernel.arg_names:
             blocks["ROW_BLOCKS"] = kernels.ROW_BLOCKS
         for tanh in (False, True):
-            source = ASTSource(
-                fn=kernel,
-                signature=signature,
-                constexprs=dict(TANH=tanh, **blocks),
-                attrs={(i,): [["tt.divisibility", 16]] for i in range(len(types) + 2)},
-            )
-            options = dict(num_warps=kernels.NUM_WARPS)
-            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            ptx = ptx.asm["ptx"]
-            assert "ld.global.v4" in ptx and "st.global.v4" in ptx  # 128-bit accesses
+            constexprs = dict(TANH=tanh, **blocks)
+            ptx = hopper_ptx(kernel, {**pointers, **sizes}, constexprs, kernels.NUM_WARPS)
+            assert "ld.global.v4" in ptx and "st.global.v4" in ptx
 
 
 def test_kernels_compile_for_hopper(monkeypatch):
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("triton without its NVIDIA backend")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    spawn(hopper_body, world=1)
+    compiled(monkeypatch, hopper_body)
 
 
 def cpu_refused_body(rank, world):
@@ -196,13 +172,12 @@ def cpu_refused_body(rank, world):
 
 
 def test_fused_refuses_cpu_outside_the_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    spawn(cpu_refused_body, world=1)
+    uninterpreted(monkeypatch, cpu_refused_body)
 
 
 def test_plain_path_off_cuda_by_default():
-    from megadyn.core.tensor_parallel.bias_gelu import use_bias_gelu
+    from megadyn.models.transformer import use_fused
 
     x = torch.randn(2, 3, dtype=torch.bfloat16)
-    assert not use_bias_gelu(None, x)  # CPU
-    assert use_bias_gelu(True, x) and not use_bias_gelu(False, x)
+    assert not use_fused(None, x)  # CPU
+    assert use_fused(True, x) and not use_fused(False, x)

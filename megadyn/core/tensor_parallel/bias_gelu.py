@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from megadyn.core.tensor_parallel.triton_import import triton_kernels
+
 
 def _kernels():
-    try:
-        from megadyn.core.tensor_parallel import bias_gelu_kernels
-    except ImportError as e:  # triton comes with torch's CUDA builds
-        raise ImportError(
-            "the fused bias-GeLU needs Triton; install it or use --no-bias-gelu-fusion"
-        ) from e
-    return bias_gelu_kernels
+    return triton_kernels("bias_gelu_kernels", "the fused bias-GeLU", "--no-bias-gelu-fusion")
 
 
 class _BiasGelu(torch.autograd.Function):
@@ -56,11 +52,3 @@ def bias_gelu(y: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     return _BiasGelu.apply(y, bias, approximate == "tanh")
-
-
-def use_bias_gelu(setting: bool | None, x: torch.Tensor) -> bool:
-    """Whether the fused path runs for activations like `x`: `setting` True or False decides;
-    None (the default) picks it for CUDA bf16/fp16 activations."""
-    if setting is not None:
-        return setting
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
