@@ -34,8 +34,6 @@ from megadyn.training.build import ModelParts, build_model_parts, no_sync
 from megadyn.training.config import MegadynConfig, ParallelConfig, TrainingConfig
 
 SEED = 1234
-SWITCH = dict(auto=None, on=True, off=False)
-"""A kernel flag's value -> the GPTConfig field (None: the model's choice by device and dtype)."""
 
 
 def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
@@ -90,12 +88,12 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         action="store_true",
         help="weight gradients through param.grad and the DDP hook's add",
     )
-    for flag, default, what in (  # Triton kernel paths: auto, on or off (SWITCH)
-        ("--fused-loss", "auto", "the cross entropy (auto: on a GPU)"),
-        ("--bias-gelu-fusion", "auto", "fc1's bias and the GeLU (auto: bf16 on a GPU)"),
-        ("--residual-norm-fusion", "off", "residual add + pre-MLP norm (auto: bf16 on a GPU)"),
-    ):
-        p.add_argument(flag, choices=list(SWITCH), default=default, help=what + " in Triton")
+    p.add_argument(
+        "--fused-loss",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the cross entropy through its Triton kernels (auto: on a GPU)",
+    )
     p.add_argument(
         "--attention-backend",
         choices=["auto", "flash", "fused", "unfused", "local"],
@@ -153,9 +151,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         untie_embeddings_and_output_weights=True,
         params_dtype=torch.bfloat16,
         gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
-        fused_loss=SWITCH[a.fused_loss],
-        bias_gelu_fusion=SWITCH[a.bias_gelu_fusion],
-        residual_norm_fusion=SWITCH[a.residual_norm_fusion],
+        fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
         attention_backend=a.attention_backend,
         tp_comm_overlap=a.tp_comm_overlap,
         tp_comm_overlap_transport=a.tp_comm_overlap_transport,

@@ -78,14 +78,6 @@ class GPTConfig:
     fused_loss: bool | None = None
     """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
     when the logits are on a GPU (the math is the same; eager on the CPU)."""
-    bias_gelu_fusion: bool | None = None
-    """GPT-2 MLP: fc1's bias added inside the GeLU's Triton kernels, whose backward also sums
-    the bias gradient (--bias-gelu-fusion / --no-bias-gelu-fusion); None: where the activations
-    are CUDA bf16/fp16 (the math is the same; plain F.gelu elsewhere)."""
-    residual_norm_fusion: bool | None = False
-    """The attention block's residual add and the pre-MLP norm in one Triton pass each way
-    (--residual-norm-fusion / --no-residual-norm-fusion); None: where the activations are CUDA
-    bf16/fp16. Off by default until measured."""
     attention_backend: str = "auto"
     """Kernel of the attention (--attention-backend, Megatron's names): 'flash' (torch's flash
     kernel), 'fused' (cuDNN's fused attention), 'unfused' or 'local' (plain math), 'auto'

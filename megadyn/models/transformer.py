@@ -29,8 +29,6 @@ from megadyn.core.tensor_parallel import (
     group_size,
     mark_param,
 )
-from megadyn.core.tensor_parallel.add_norm import add_norm
-from megadyn.core.tensor_parallel.bias_gelu import bias_gelu
 from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
 from megadyn.models.document_attention import DocumentMask, document_attention
@@ -56,21 +54,6 @@ class Norm(nn.Module):
         if self.kind == "LayerNorm":
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, a: torch.Tensor, fused: bool):
-        """(x + a, norm(x + a)); `fused`: in one pass each way (add_norm.py)."""
-        if fused:
-            return add_norm(x, a, self.weight, self.bias, self.eps, rms=self.kind == "RMSNorm")
-        s = x + a
-        return s, self(s)
-
-
-def use_fused(setting: bool | None, x: torch.Tensor) -> bool:
-    """Whether a fused kernel's switch (GPTConfig.bias_gelu_fusion, .residual_norm_fusion)
-    turns it on for activations like `x`: True or False decides; None picks CUDA bf16/fp16."""
-    if setting is not None:
-        return setting
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positions=None):
@@ -193,7 +176,6 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
-        self.bias_gelu_fusion = cfg.bias_gelu_fusion
         tp = group_size(tp_group)
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
         kw = dict(
@@ -216,22 +198,13 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fuses_bias_gelu(x)
-        y = self.linear_fc1(x, skip_bias_add=fused)  # [s, b, ffn/tp] (x2 for SwiGLU)
+        y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
-        elif fused:  # the bias joins inside the GeLU's kernels (bias_gelu.py)
-            y = bias_gelu(y, self.linear_fc1.bias, self.gelu_approximate)
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)
-
-    def fuses_bias_gelu(self, x: torch.Tensor) -> bool:
-        """Whether fc1's bias and the GeLU run fused for input `x` (GPTConfig.bias_gelu_fusion)."""
-        if self.swiglu or self.linear_fc1.bias is None:
-            return False
-        return use_fused(self.bias_gelu_fusion, x)
 
 
 class TransformerLayer(nn.Module):
@@ -263,12 +236,10 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope=None, documents=None) -> torch.Tensor:
-        a = self.dropout(
+        x = x + self.dropout(
             self.self_attention(self.input_layernorm(x), rope, self.recompute_core, documents)
         )
-        fused = use_fused(self.cfg.residual_norm_fusion, x)
-        x, h = self.pre_mlp_layernorm.add_and_norm(x, a, fused)  # x + a, norm(x + a)
-        return x + self.dropout(self.mlp(h))
+        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 def hidden_dropout(x, p: float, training: bool, sequence_parallel: bool, tracker) -> torch.Tensor:

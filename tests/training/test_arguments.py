@@ -21,9 +21,8 @@ FLAGS = [
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--async-save", "--attention-backend",
     "--attention-dropout", "--context-parallel-size", "--cp-block-size", "--cp-comm-type",
     "--cp-placement",
-    "--bias-gelu-fusion", "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
-    "--enable-cuda-graph", "--no-bias-gelu-fusion", "--no-cross-entropy-loss-fusion",
-    "--residual-norm-fusion", "--no-residual-norm-fusion",
+    "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
+    "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion",
     "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
@@ -131,11 +130,6 @@ def test_megatron_style_command():
             ),
         ),
         ("--cross-entropy-loss-fusion", dict(fused_loss=True)),
-        ("", dict(bias_gelu_fusion=None)),
-        ("--bias-gelu-fusion", dict(bias_gelu_fusion=True)),
-        ("--no-bias-gelu-fusion", dict(bias_gelu_fusion=False)),
-        ("", dict(residual_norm_fusion=False)),
-        ("--residual-norm-fusion", dict(residual_norm_fusion=True)),
     ],
 )
 def test_kernel_switches_reach_the_model(extra, fields):

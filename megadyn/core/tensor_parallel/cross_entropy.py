@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.tensor_parallel.mappings import group_size
-from megadyn.core.tensor_parallel.triton_import import triton_kernels
 
 
 def _all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
@@ -84,11 +83,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _kernels():
-    return triton_kernels(
-        "cross_entropy_kernels",
-        "the fused cross entropy",
-        "fused=False (--no-cross-entropy-loss-fusion)",
-    )
+    try:
+        from megadyn.core.tensor_parallel import cross_entropy_kernels
+    except ImportError as e:  # triton comes with torch's CUDA builds
+        raise ImportError(
+            "the fused cross entropy needs Triton; install it or use fused=False "
+            "(--no-cross-entropy-loss-fusion)"
+        ) from e
+    return cross_entropy_kernels
 
 
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):

@@ -174,9 +174,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split along its output dimension: [out/tp, in] per rank.
 
     Input [s, b, in] (or [s/tp, b, in] under sequence parallelism, all-gathered here);
-    output [s, b, out/tp], or [s, b, out] with `gather_output`. `skip_bias_add` (Megatron's
-    name) leaves the bias out of the GEMM for the caller to fuse into what follows
-    (bias_gelu.py); it then reads `self.bias` itself.
+    output [s, b, out/tp], or [s, b, out] with `gather_output`.
     """
 
     def __init__(
@@ -210,9 +208,7 @@ class ColumnParallelLinear(nn.Module):
         )
         self.bias = mark_param(_empty((local,), dtype, device), 0) if bias else None
 
-    def forward(
-        self, x: torch.Tensor, weight: torch.Tensor | None = None, skip_bias_add: bool = False
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         own_weight = weight is None  # a passed (tied) weight has another user: no fusion
         weight = self.weight if weight is None else weight
         fuse = own_weight and self.grad_accumulation_fusion
@@ -221,7 +217,7 @@ class ColumnParallelLinear(nn.Module):
         y = _linear(
             x,
             weight,
-            None if skip_bias_add else self.bias,
+            self.bias,
             fuse,
             self.tp_group,
             gather_input=self.sequence_parallel,
