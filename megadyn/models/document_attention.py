@@ -87,15 +87,14 @@ class DocumentMask:
     cp_placement: object | None = None
     """Under --cp-placement dynamic: the micro batch's `BlockPlacement`
     (megadyn/core/context_parallel/placement.py), which the attention's blocks follow."""
-    host_ids: torch.Tensor | None = None
-    """Under context parallelism: `document_ids` on the host, copied once per micro batch, from
-    which the blocks' per-document kernel calls take their ranges (every layer's)."""
+    packed: PackedDocuments | None = None
+    """Under context parallelism: `document_ids` with their host copy, made once per micro
+    batch, from which the blocks' per-document kernel calls take their ranges (every
+    layer's, computed once: PackedDocuments.derived)."""
 
     def context_parallel_ids(self) -> PackedDocuments | None:
         """The ids as context parallelism's attention takes them (with their host copy)."""
-        if self.document_ids is None:
-            return None
-        return PackedDocuments(self.document_ids, self.host_ids)
+        return self.packed
 
     @classmethod
     def build(
@@ -104,8 +103,10 @@ class DocumentMask:
         """The mask of `document_ids`; under context parallelism the ids alone (the ring and
         all-gather attention mask the blocks they compute), with the dynamic placement if any."""
         if context_parallel:
-            host = None if document_ids is None else document_ids.cpu()
-            return cls(document_ids, cp_placement=cp_placement, host_ids=host)
+            packed = None
+            if document_ids is not None:
+                packed = PackedDocuments(document_ids, document_ids.cpu())
+            return cls(document_ids, cp_placement=cp_placement, packed=packed)
         if document_ids.is_cuda:
             return cls(document_ids, block_mask=document_block_mask(document_ids))
         return cls(document_ids, dense=dense_document_mask(document_ids))

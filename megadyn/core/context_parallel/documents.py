@@ -22,7 +22,7 @@ blocks.py's; the backward takes the final output and log-sum-exp of the query ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,10 +37,18 @@ class PackedDocuments:
     """A micro batch's document ids [b, S] where the attention runs (`ids`) and on the host
     (`host`): the per-document calls take their ranges from the host copy, made once per
     micro batch (models/document_attention.py), instead of reading the device at every
-    block."""
+    block. What the attention derives from them (its blocks' rectangles) is the same in every
+    layer: `derived` computes it once per micro batch."""
 
     ids: torch.Tensor
     host: torch.Tensor
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def derived(self, key, make):
+        """`make()`, computed at the first call with `key` and kept for the micro batch."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
 
 def packed(document_ids) -> PackedDocuments | None:

@@ -194,9 +194,12 @@ class _DynamicAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, n, s, d]
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         fused = fused_kernels(q, kernel)
-        masks = _masks(
-            packed(document_ids) if fused else document_ids, placement, rank, calls, fused
-        )
+        if fused and document_ids is not None:  # the same in every layer: once per micro batch
+            docs = packed(document_ids)
+            key = ("dynamic", rank, id(placement))
+            masks = docs.derived(key, lambda: _masks(docs, placement, rank, calls, fused))
+        else:
+            masks = _masks(document_ids, placement, rank, calls, fused)
         waited = False
         for call, mask in zip(calls, masks):  # own keys first (diagonal blocks first), received
             if call.source != "own" and not waited:

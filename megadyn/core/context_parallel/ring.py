@@ -107,7 +107,12 @@ class _RingAttention(torch.autograd.Function):
         documents, document_ids = document_ids, device_ids(document_ids)
         # document-masked blocks without dropout: the fused kernel per document (documents.py)
         fused = fused_kernels(q, kernel) if document_ids is not None and dropout is None else None
-        docs = _document_blocks(ring, half, packed(documents).host) if fused else None
+        if fused:  # the same in every layer: computed once per micro batch
+            documents = packed(documents)
+            key = ("ring", ring.rank, ring.size, half)
+            docs = documents.derived(key, lambda: _document_blocks(ring, half, documents.host))
+        else:
+            docs = None
         masked = fused is None and (document_ids is not None or dropout is not None)
         block_forward, _ = block_kernels(q, kernel, masked=masked)
         seen = None if fused else _steps_seen(ring, half, document_ids)
