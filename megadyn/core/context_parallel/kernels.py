@@ -44,7 +44,8 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """The kernels read rows with unit stride; slices of the ring's blocks may not be."""
+    """The flash kernels (and cuDNN's log-sum-exp input) read contiguous tensors; slices of
+    the ring's blocks may not be. cuDNN reads strided q, k, v, out and their gradients."""
     return x.contiguous()
 
 
