@@ -43,8 +43,12 @@ def connect(
     world_size: int | None = None,
     timeout_s: float = 300.0,
     launcher_port: int | None = None,
+    connect_timeout_s: float | None = None,
 ) -> dist.TCPStore:
     """The control store: the server on rank 0, clients elsewhere (and in the operator tool).
+    A client tries to reach the server for `connect_timeout_s` (default `timeout_s`), and
+    then waits up to `timeout_s` for a key: after a recovery re-hosts the store, a server
+    that died again is given up on in the recovery's time, not the store's.
 
     The server refuses `launcher_port`, the port of torchrun's own store when the workers use
     it (megadyn/launch/run.py passes it): there torch's TCPStore, finding the port taken,
@@ -56,9 +60,12 @@ def connect(
             f"--elastic-control-port {port} is torchrun's store port (MASTER_PORT): "
             "pick another port for the control store"
         )
-    return dist.TCPStore(
-        host, port, world_size, is_server, timedelta(seconds=timeout_s), wait_for_workers=False
+    first = timeout_s if connect_timeout_s is None else connect_timeout_s
+    store = dist.TCPStore(
+        host, port, world_size, is_server, timedelta(seconds=first), wait_for_workers=False
     )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def _get_json(store, key: str):

@@ -88,8 +88,9 @@ class ElasticController:
         provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM), the
         failure records (`failures`: survivors of a failed process recover in-process,
         recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
-        no replica holds what a dead process held) and `reconnect(rank, host)` (the control
-        store hosted anew by process `rank` on `host`, when its host died)."""
+        no replica holds what a dead process held) and `reconnect(rank, host, timeout_s)`
+        (the control store hosted anew by process `rank` on `host`, when its host died,
+        reached within `timeout_s`)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.drain = Drain(channel, drain_signal)
@@ -222,12 +223,13 @@ class ElasticController:
             self.events.append(event)
         return trainer
 
-    def rehost_control(self, rank: int, host: str) -> None:
+    def rehost_control(self, rank: int, host: str, timeout_s: float) -> None:
         """The control store's host died: process `rank` (on `host`) serves a new one on the
-        same port, empty (a request that was queued is lost and has to be sent again)."""
+        same port, empty (a request that was queued is lost and has to be sent again); the
+        others reach it within `timeout_s` (the recovery's time) or fail."""
         if self.reconnect is None:
             raise RecoveryError("the control store's host died and nothing can host it anew")
-        self.channel = self.drain.channel = self.reconnect(rank, host)
+        self.channel = self.drain.channel = self.reconnect(rank, host, timeout_s)
         self.control_rank = rank
         if dist.get_rank() == rank:
             self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)

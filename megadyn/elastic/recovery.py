@@ -259,7 +259,7 @@ def rehost(controller, rnd: Round, control: list, feed: FailureFeed) -> None:
     rank, host = control
     if dist.get_rank() != rank and not rnd.wait_serving(rank, feed, feed.timeout_s):
         raise PeerGone("another process failed before the control store was hosted anew")
-    controller.rehost_control(rank, host)
+    controller.rehost_control(rank, host, feed.timeout_s)
     if dist.get_rank() == rank:
         rnd.serving(rank)
 

@@ -142,16 +142,25 @@ def layout_line(layout, device) -> str:
     )
 
 
-def control_channel(cfg: MegadynConfig, rank: int = 0, host: str | None = None) -> ControlChannel:
+def control_channel(
+    cfg: MegadynConfig, rank: int = 0, host: str | None = None, connect_timeout_s=None
+) -> ControlChannel:
     """The job's control store, hosted by rank 0 (--elastic-control-port, else torchrun's store
     port + 1), for the controller and tools/elastic_ctl.py; after rank 0 died, by process
-    `rank` on `host` (the survivors' recovery), on the same port."""
+    `rank` on `host` (the survivors' recovery), on the same port, reached within
+    `connect_timeout_s` (the recovery's own time)."""
     env = torchrun_env.current()
     port = cfg.elastic.control_port or (env.master_port or 29500) + 1
     launcher_port = env.master_port if env.use_agent_store else None
     is_server = dist.get_rank() == rank
     address = (env.master_addr or "127.0.0.1") if host is None else host
-    store = connect(address, port, is_server=is_server, launcher_port=launcher_port)
+    store = connect(
+        address,
+        port,
+        is_server=is_server,
+        launcher_port=launcher_port,
+        connect_timeout_s=connect_timeout_s,
+    )
     if host is None:
         dist.barrier()  # the server is up before anyone else uses the channel
     return ControlChannel(store)
@@ -191,7 +200,7 @@ def run(
             drain_signal=drain_signal,
             failures=failures,
             resume=resume_snapshot,
-            reconnect=lambda rank, host: control_channel(cfg, rank, host),
+            reconnect=lambda rank, host, timeout_s: control_channel(cfg, rank, host, timeout_s),
         )
         last_hook = controller.step_hook
     layout = first_layout(cfg, dist.get_world_size(), device.type)

@@ -35,3 +35,20 @@ def test_free_ports_are_distinct_and_below_the_ephemeral_range():
     low = _ephemeral_low()
     if low > 11000:
         assert all(10000 <= p < low for p in ports), ports
+
+
+def test_a_client_gives_up_on_a_dead_server_in_its_connect_time_and_keeps_the_long_wait():
+    """After a recovery re-hosts the control store, the others reach the new host within the
+    recovery's time: a host that died again costs that, not the store's 300 s."""
+    import time
+
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(dist.DistNetworkError):
+        connect("127.0.0.1", port, is_server=False, timeout_s=300, connect_timeout_s=2)
+    assert time.monotonic() - start < 30
+    server = connect("127.0.0.1", port, is_server=True, timeout_s=300)
+    client = connect("127.0.0.1", port, is_server=False, timeout_s=300, connect_timeout_s=2)
+    assert client.timeout == timedelta(seconds=300) and server.timeout == timedelta(seconds=300)
+    server.set("decision/1", "none")
+    assert client.get("decision/1") == b"none"
