@@ -11,10 +11,11 @@ under sequence parallelism, for the s / cp tokens a context-parallel rank holds;
 recomputation keeps only the layer inputs). The cost model follows the PTD-P paper's analysis:
 compute time from the model FLOPs (their attention part grows with the square of the sequence),
 the pipeline bubble (pp - 1) / (vpp * m), tensor-parallel all-reduces per layer, context
-parallelism's ring of key/value exchanges (overlapped with the blockwise attention of each
-ring step, so only what the attention does not hide costs time, and the last hop of the
-gradients) and the gradient reduction over dp x cp; its scale factors are fitted to measured
-step times.
+parallelism's ring of key/value exchanges and key/value-gradient returns (overlapped with
+the blockwise attention of each ring step, so only what the attention does not hide costs
+time) and the gradient reduction over dp x cp; its scale factors are fitted to measured step
+times. Under cp the ring also keeps cp copies of the local keys and values per layer for its
+backward.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def memory_gib(
         per_layer = 34 * s * b * h / tp
     else:
         per_layer = s * b * h * (10 + 24 / tp)
+    if layout.cp > 1 and recompute.granularity != "full":
+        # the ring keeps its own keys and values in one message and the cp - 1 it received
+        per_layer += layout.cp * 2 * 2 * s * b * cfg.head_dim * cfg.query_groups / tp
     activations = (
         per_layer * cfg.num_layers / layout.pp * layout.pp
     )  # 1F1B: pp in flight on stage 0
@@ -99,6 +103,8 @@ class CostModel:
     dp_bandwidth: float = 150e9
     cp_bandwidth: float = 150e9
     """Bytes/s of one ring step's point-to-point exchange between neighbouring cp ranks."""
+    memory_bandwidth: float = 3e12
+    """Bytes/s of the GPU's memory: the ring's merges and gradient sums in fp32."""
     compute_scale: float = 1.0
     comm_scale: float = 1.0
     samples: list = field(default_factory=list)
@@ -135,10 +141,9 @@ class CostModel:
     def ring_seconds_per_layer(self, cfg: GPTConfig, layout: Layout, mbs: int, seq: int) -> float:
         """Exposed time of one layer's ring exchanges for one micro batch (0 without cp). Each
         of the cp - 1 forward steps sends this rank's keys and values (bf16) to the next rank
-        while the attention of the step's block runs; the backward sends them again, and their
-        fp32 gradients travel one step behind: cp - 1 of those hops run beside a step's
-        attention, the last one, which brings a rank its own gradients, after all of it. What
-        the attention does not cover counts."""
+        while the attention of the step's block runs; the backward sends each received
+        block's key/value gradients (bf16) home beside the next block's backward (ring.py).
+        What the attention does not cover counts, and the merges of the blocks."""
         cp = layout.cp
         if cp == 1:
             return 0.0
@@ -148,9 +153,12 @@ class CostModel:
         per_step = attention_flops(cfg, mbs, seq) / 2 / cfg.num_layers / (layout.tp * cp * cp)
         step_time = per_step / (self.peak_flops * self.efficiency)
         fwd = (cp - 1) * max(0.0, 2 * kv / self.cp_bandwidth - step_time / 3)
-        bwd_beside = (cp - 1) * (2 + 4) * kv / self.cp_bandwidth
-        bwd = max(0.0, bwd_beside - cp * 2 * step_time / 3) + 4 * kv / self.cp_bandwidth
-        return fwd + bwd
+        bwd = (cp - 1) * max(0.0, 2 * kv / self.cp_bandwidth - 2 * step_time / 3)
+        # each later ring step merges into the output and adds into the gradients, in fp32:
+        # about 64 bytes per local token and hidden element (0.6 ms a layer for 16k tokens of
+        # hidden 2048 on an H200, BENCHMARKS.md's cp 2 profiles)
+        merges = (cp - 1) * 64 * (seq // cp) * mbs * cfg.hidden_size / layout.tp
+        return fwd + bwd + merges / self.memory_bandwidth
 
     def calibrate(self, cfg: GPTConfig, gbs: int, seq: int, measured: list[tuple]) -> None:
         """Fit `compute_scale` to measured (layout, mbs, recompute, seconds) step times."""
