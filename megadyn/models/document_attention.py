@@ -88,13 +88,9 @@ class DocumentMask:
     """Under --cp-placement dynamic: the micro batch's `BlockPlacement`
     (megadyn/core/context_parallel/placement.py), which the attention's blocks follow."""
     packed: PackedDocuments | None = None
-    """Under context parallelism: `document_ids` with their host copy, made once per micro
-    batch, from which the blocks' per-document kernel calls take their ranges (every
-    layer's, computed once: PackedDocuments.derived)."""
-
-    def context_parallel_ids(self) -> PackedDocuments | None:
-        """The ids as context parallelism's attention takes them (with their host copy)."""
-        return self.packed
+    """Under context parallelism: `document_ids` as its attention takes them, with their host
+    copy made once per micro batch, from which the blocks' per-document kernel calls take
+    their ranges (every layer's, computed once: PackedDocuments.derived)."""
 
     @classmethod
     def build(

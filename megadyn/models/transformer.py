@@ -120,7 +120,7 @@ class SelfAttention(nn.Module):
         # under dropout the heads differ per tp rank: the tracker's per-rank stream
         fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
         if self.cp_group is not None:
-            ids = None if documents is None else documents.context_parallel_ids()
+            ids = None if documents is None else documents.packed
             if documents is not None and documents.cp_placement is not None:
                 if p > 0.0:
                     raise ValueError("--attention-dropout must be 0 with --cp-placement dynamic")

@@ -22,19 +22,13 @@ class RingExchange:
     def __init__(self, group) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Start shifting `send` one rank along the ring; returns the receive buffer and the
         pending work (pass it to `wait` before reading the buffer)."""
-        send = send.contiguous()
-        received = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group),
-            dist.P2POp(dist.irecv, received, self.prev, self.group),
-        ]
-        return received, dist.batch_isend_irecv(ops)
+        received = torch.empty_like(send, memory_format=torch.contiguous_format)
+        after, before = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        return received, self.exchange([send], after, [received], before)
 
     def exchange(self, sends: list, to: int, receives: list, source: int) -> list:
         """Start sending the tensors `sends` to cp rank `to` and receiving `receives` from cp

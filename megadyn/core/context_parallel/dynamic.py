@@ -283,7 +283,8 @@ def dynamic_attention(
     q, k, v, group, placement: BlockPlacement, document_ids=None, scale=None, kernel=None
 ) -> torch.Tensor:
     """Causal attention (within documents when `document_ids` [b, S], the whole sequence's,
-    or documents.py's PackedDocuments, is given) of this rank's queries q [b, n, s, d] over the whole sequence, whose blocks of
-    keys and values k, v [b, g, s, d] are spread over `group` as `placement` says."""
+    or documents.py's PackedDocuments, is given) of this rank's queries q [b, n, s, d] over
+    the whole sequence, whose blocks of keys and values k, v [b, g, s, d] are spread over
+    `group` as `placement` says."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _DynamicAttention.apply(q, k, v, group, placement, document_ids, scale, kernel)

@@ -130,9 +130,8 @@ class _RingAttention(torch.autograd.Function):
                     block_out, block_lse = documents_forward(fused[0], qb, kb, vb, scale, block[2])
                 else:
                     drop = _block_dropout(dropout, ring, step, qb, kb)
-                    block_out, block_lse = block_forward(
-                        qb, kb, vb, block[2], scale, block[3], drop
-                    )
+                    causal, visible = block[2], block[3]
+                    block_out, block_lse = block_forward(qb, kb, vb, causal, scale, visible, drop)
                 if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
                     out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
                 else:
