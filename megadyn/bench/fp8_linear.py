@@ -1,6 +1,6 @@
 """FP8 linear layers on a GPU: a correctness check, then an MLP block's forward + backward time.
 
-    python -m megadyn.bench.fp8_linear [--hidden 2048 4096] [--tokens 4096]
+    python -m megadyn.bench.fp8_linear [--hidden 2048 4096] [--tokens 4096] [--cuda-graph]
 
 Check: on the GPU, each recipe's layer output and gradients against a quantize-dequantize
 computation in fp32 (the same check the CPU tests make bit for bit; here the GEMM writes bf16,
@@ -9,8 +9,9 @@ math in torch operations (bit-equal fp8 bytes). Timing: fc1 (h -> 4h, column-par
 fc2 (4h -> h, row-parallel), bf16 weights with an fp32 main_grad (the training path), per
 recipe against bf16, and each tensorwise recipe with its weights quantized before (`+cached
 weights`: a step's micro batches after its first, fp8_cache.py); with torchao installed also
-torchao's Float8Linear (tensorwise), eager and compiled, on the same shapes. One JSON line per
-result.
+torchao's Float8Linear (tensorwise), eager and compiled, on the same shapes. With --cuda-graph
+megadyn's rows time replays of one captured forward + backward: the GPU's time, as a training
+step under --cuda-graph runs it. One JSON line per result.
 """
 
 from __future__ import annotations
@@ -101,9 +102,17 @@ class MegadynMLP(nn.Module):
         for p in self.parameters():
             nn.init.normal_(p, 0, 0.02)
             p.main_grad = torch.zeros(p.shape, device=device)
+            p.register_post_accumulate_grad_hook(_drop_grad)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _drop_grad(param) -> None:
+    """What the DDP hook does once a gradient is in `main_grad` (else autograd would add each
+    call's placeholder into `.grad`, a bf16 add of every weight that training does not run)."""
+    param.grad = None
+    param.grad_added_to_main_grad = False
 
 
 def torchao_mlp(h: int, device, compiled: bool):
@@ -116,16 +125,31 @@ def torchao_mlp(h: int, device, compiled: bool):
     return torch.compile(model) if compiled else model
 
 
-def time_ms(model, x, g, iters: int = 20, warmup: int = 5, cached: bool = False) -> float:
+def time_ms(
+    model, x, g, iters: int = 20, warmup: int = 5, cached: bool = False, graph: bool = False
+) -> float:
     """Median ms of forward + backward; `cached`: all calls inside one weight-cache scope (the
-    first warm-up call quantizes the weights, the timed calls reuse them)."""
+    first warm-up call quantizes the weights, the timed calls reuse them); `graph`: replays of
+    one CUDA graph of forward + backward (the GPU's time, without the host's launches)."""
     times = []
     with weights_fixed([model]) if cached else contextlib.nullcontext():
+        step = lambda: model(x).backward(g)  # noqa: E731
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                step()
+            step = captured.replay
         for i in range(warmup + iters):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            model(x).backward(g)
+            step()
             end.record()
             torch.cuda.synchronize()
             if i >= warmup:
@@ -133,7 +157,7 @@ def time_ms(model, x, g, iters: int = 20, warmup: int = 5, cached: bool = False)
     return sorted(times)[len(times) // 2]
 
 
-def bench(h: int, tokens: int, device) -> list[dict]:
+def bench(h: int, tokens: int, device, graph: bool = False) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
     g = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
@@ -150,9 +174,10 @@ def bench(h: int, tokens: int, device) -> list[dict]:
         pass
     rows, base = [], None
     for name, make in models.items():
-        ms = time_ms(make(), x, g, cached=name in cached)
+        ms = time_ms(make(), x, g, cached=name in cached, graph=graph and "torchao" not in name)
         base = base or ms
         rows.append(dict(bench="mlp_fwd_bwd", hidden=h, tokens=tokens, mode=name, ms=round(ms, 3)))
+        rows[-1]["cuda_graph"] = graph and "torchao" not in name
         rows[-1]["speedup_vs_bf16"] = round(base / ms, 3)
         torch.cuda.empty_cache()
     return rows
@@ -162,13 +187,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time replays of a CUDA graph of forward + backward (torchao rows stay eager)",
+    )
     a = p.parse_args()
     device = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     for row in check(device):
         print(json.dumps(row), flush=True)
     for h in a.hidden:
-        for row in bench(h, a.tokens, device):
+        for row in bench(h, a.tokens, device, a.cuda_graph):
             print(json.dumps(row), flush=True)
 
 

@@ -32,6 +32,7 @@ from megadyn.core.tensor_parallel import (
 from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
 from megadyn.models.document_attention import DocumentMask, document_attention
+from megadyn.models.qkv_split import split_qkv
 
 
 class Norm(nn.Module):
@@ -156,9 +157,8 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, d)
-        # one split, not three slices: its backward writes the gradient of qkv in one
-        # concatenation, where slices each fill a zero tensor of qkv's size and add them up
-        q, k, v = torch.split(qkv, [self.q_per_group, 1, 1], dim=3)
+        # views; the backward writes the three gradients into one tensor (qkv_split.py)
+        q, k, v = split_qkv(qkv, self.q_per_group)
         q, k, v = q.reshape(s, b, self.heads, d), k.squeeze(3), v.squeeze(3)  # k, v [s, b, g, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if rope is not None:

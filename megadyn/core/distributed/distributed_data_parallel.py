@@ -29,6 +29,7 @@ from torch import nn
 
 from megadyn.core.distributed.finalize_model_grads import tied_embedding_weight
 from megadyn.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megadyn.core.tensor_parallel.wgrad import accumulate
 
 
 def default_bucket_size(overlap_grad_reduce: bool, dp_size: int) -> int | None:
@@ -156,7 +157,7 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is not None:
             if not getattr(param, "grad_added_to_main_grad", False):
-                param.main_grad.add_(param.grad)
+                accumulate(param.main_grad, param.grad)
             param.grad = None
         param.grad_added_to_main_grad = False
         if self.overlap_grad_reduce and self.is_last_microbatch:

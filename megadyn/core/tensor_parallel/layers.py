@@ -47,7 +47,7 @@ from megadyn.core.tensor_parallel.sp_overlap import (
     reduce_scatter_start,
     row_parallel_overlap,
 )
-from megadyn.core.tensor_parallel.wgrad import add_to_main_grad, fuse_wgrad, weight_grad
+from megadyn.core.tensor_parallel.wgrad import add_to_main_grad, bias_grad, fuse_wgrad, weight_grad
 
 
 class _LinearAsyncReduce(torch.autograd.Function):
@@ -63,13 +63,16 @@ class _LinearAsyncReduce(torch.autograd.Function):
     GEMM by sequence chunk (sp_overlap.py)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, input_group, output_group, fuse, gather_input, overlap, fp8):
+    def forward(
+        ctx, x, weight, bias, input_group, output_group, fuse, fuse_bias, gather_input, overlap, fp8
+    ):
         y = None
         if gather_input and overlap:  # the own chunk's GEMM beside the all-gather
             x, y = all_gather_linear(x, weight, bias, input_group, overlap)
         elif gather_input:
             x = gather_sequence(x, input_group)  # [s, b, in]
         ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
+        ctx.bias, ctx.fuse_bias = bias, fuse_bias
         ctx.gather_input, ctx.overlap, ctx.fp8 = gather_input, overlap, fp8
         ctx.x_shape = x.shape
         # the parameter itself, for its main_grad: under recomputation the saved tensors come
@@ -112,12 +115,12 @@ class _LinearAsyncReduce(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:  # fp8: in the weight's dtype, then into main_grad
             grad_w = fp8_wgrad(ctx.weight.dtype)
             grad_w = add_to_main_grad(ctx.weight, grad_w) if ctx.fuse else grad_w
-        grad_b = g2d.sum(0) if ctx.has_bias else None
+        grad_b = bias_grad(ctx.bias, g2d, ctx.fuse_bias) if ctx.has_bias else None
         if wait is not None:
             wait()
         if finish is not None:
             grad_x = finish()
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _linear(
@@ -138,9 +141,10 @@ def _linear(
     --tp-comm-overlap: its transport) runs the own sequence chunk's GEMM beside the
     all-gather. `fp8` (an Fp8Gemms) runs the three GEMMs on float8 operands (fp8.py)."""
     fuse = fuse_wgrad(weight, fuse)
+    fuse_bias = fuse and bias is not None and fuse_wgrad(bias, True)
     if fuse or fp8 or group_size(input_group) > 1 or group_size(output_group) > 1:
         return _LinearAsyncReduce.apply(
-            x, weight, bias, input_group, output_group, fuse, gather_input, overlap, fp8
+            x, weight, bias, input_group, output_group, fuse, fuse_bias, gather_input, overlap, fp8
         )
     return F.linear(x, weight, bias)
 

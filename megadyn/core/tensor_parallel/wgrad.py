@@ -4,7 +4,9 @@ When a layer's own weight has a DDP `main_grad` of a wider dtype (bf16 weights, 
 buffer), its weight-gradient GEMM adds into `main_grad` in fp32 (cuBLAS with beta = 1 and an
 fp32 output) instead of writing a bf16 gradient that the DDP hook then reads and adds. The
 layer marks `param.grad_added_to_main_grad` and hands autograd an unread placeholder, so the
-DDP hook still fires (and skips its add). Used by layers.py.
+DDP hook still fires (and skips its add). A fused layer's bias gradient (the column sums of
+the output gradient) goes into the bias's `main_grad` the same way, summed in fp32 on CUDA.
+Used by layers.py.
 """
 
 from __future__ import annotations
@@ -53,11 +55,69 @@ def weight_grad(weight, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool) -> tor
     return _added(weight)
 
 
+def bias_grad(bias, g2d: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """d loss / d b = the column sums of g [tokens, out]; with `fuse`, added into
+    `bias.main_grad` and an unread placeholder returned: on CUDA by one GEMM, ones [1, tokens]
+    x g, accumulated in fp32 into main_grad (one launch where torch's bf16 sum and the DDP
+    hook's add are two, and a fifth faster on an H200); elsewhere by the sum and an add."""
+    if not fuse:
+        return g2d.sum(0)
+    if not (g2d.is_cuda and _fused_wgrad_works(g2d.device)):
+        return add_to_main_grad(bias, g2d.sum(0))
+    main_grad = bias.main_grad.view(1, -1)
+    ones = _ones(g2d.shape[0], g2d.dtype, g2d.device)
+    torch.addmm(main_grad, ones, g2d, out_dtype=main_grad.dtype, out=main_grad)
+    return _added(bias)
+
+
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [1, n] row of ones, kept per dtype and device (a constant, not training state; one
+    made while a CUDA graph is captured holds its values only once the graph runs, so it is
+    not kept)."""
+    key = (dtype, device)
+    ones = _ONES.get(key)
+    if ones is None or ones.shape[1] < n:
+        ones = torch.ones(1, n, dtype=dtype, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return ones
+        _ONES[key] = ones
+    return ones[:, :n]
+
+
 def add_to_main_grad(weight, grad_w: torch.Tensor) -> torch.Tensor:
     """Add a computed weight gradient (fp8 GEMMs write one in the weight's dtype) into `weight.main_grad`;
     the placeholder to hand autograd."""
-    weight.main_grad.add_(grad_w)
+    accumulate(weight.main_grad, grad_w)
     return _added(weight)
+
+
+TRITON_ADD_MIN = 1 << 20
+"""Gradients of fewer elements (norms, biases) are added by torch: its launch costs the host
+less, and the add is too short for the kernel's speed to matter."""
+
+
+def accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    """main_grad += grad; on CUDA a large gradient in a narrower dtype goes into the fp32 buffer
+    by one vectorized pass (grad_kernels.py), the same bits as `add_`."""
+    if (
+        _triton_adds(grad, main_grad)
+        and grad.numel() >= TRITON_ADD_MIN
+        and grad.is_contiguous()
+        and grad.dtype != main_grad.dtype
+    ):
+        from megadyn.core.tensor_parallel.grad_kernels import add_into
+
+        add_into(main_grad, grad)
+    else:
+        main_grad.add_(grad)
+
+
+def _triton_adds(grad: torch.Tensor, main_grad: torch.Tensor) -> bool:
+    """Whether grad_kernels.py adds `grad` into `main_grad`: CUDA, an fp32 contiguous buffer."""
+    return grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
 
 
 def _added(weight) -> torch.Tensor:
