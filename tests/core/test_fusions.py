@@ -53,3 +53,18 @@ def test_cross_entropy_matches_torch():
     grad = torch.autograd.grad((loss * w).sum(), logits)[0]
     grad_ref = torch.autograd.grad((ref.reshape(8, 2) * w).sum(), logits)[0]
     torch.testing.assert_close(grad, grad_ref)
+
+
+def test_kept_rows_of_ones_are_never_replaced():
+    """A CUDA graph may hold the row of ones a bias gradient read: a longer row is added beside
+    it, and the first stays kept (its memory is not handed back)."""
+    from megadyn.core.tensor_parallel import wgrad
+
+    device = torch.device("cpu")
+    first = wgrad._ones(6, torch.float16, device)
+    longer = wgrad._ones(9, torch.float16, device)
+    kept = wgrad._ONES[(torch.float16, device)]
+    assert any(t.data_ptr() == first.data_ptr() for t in kept)
+    assert first.shape == (1, 6) and longer.shape == (1, 9)
+    assert bool(first.eq(1).all()) and bool(longer.eq(1).all())
+    assert wgrad._ones(4, torch.float16, device).data_ptr() == longer.data_ptr()

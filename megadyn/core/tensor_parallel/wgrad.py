@@ -70,21 +70,23 @@ def bias_grad(bias, g2d: torch.Tensor, fuse: bool) -> torch.Tensor:
     return _added(bias)
 
 
-_ONES: dict[tuple, torch.Tensor] = {}
+_ONES: dict[tuple, list[torch.Tensor]] = {}
 
 
 def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [1, n] row of ones, kept per dtype and device (a constant, not training state; one
-    made while a CUDA graph is captured holds its values only once the graph runs, so it is
-    not kept)."""
-    key = (dtype, device)
-    ones = _ONES.get(key)
-    if ones is None or ones.shape[1] < n:
-        ones = torch.ones(1, n, dtype=dtype, device=device)
-        if torch.cuda.is_current_stream_capturing():
-            return ones
-        _ONES[key] = ones
-    return ones[:, :n]
+    """A [1, n] row of ones, kept per dtype and device (a constant, not training state). A longer
+    row, when needed, is added beside the shorter ones, never in place of them: a captured CUDA
+    graph may read a kept row, whose memory must stay its own. One made while a graph is
+    captured holds its values only once the graph runs, so it is not kept."""
+    kept = _ONES.setdefault((dtype, device), [])
+    if not kept or kept[-1].shape[1] < n:
+        ones = torch.ones(
+            1, max(n, 2 * kept[-1].shape[1] if kept else n), dtype=dtype, device=device
+        )
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return ones[:, :n]
+        kept.append(ones)
+    return kept[-1][:, :n]
 
 
 def add_to_main_grad(weight, grad_w: torch.Tensor) -> torch.Tensor:
