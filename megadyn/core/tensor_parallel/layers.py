@@ -71,8 +71,7 @@ class _LinearAsyncReduce(torch.autograd.Function):
             x, y = all_gather_linear(x, weight, bias, input_group, overlap)
         elif gather_input:
             x = gather_sequence(x, input_group)  # [s, b, in]
-        ctx.group, ctx.fuse, ctx.has_bias = input_group, fuse, bias is not None
-        ctx.bias, ctx.fuse_bias = bias, fuse_bias
+        ctx.group, ctx.fuse, ctx.bias, ctx.fuse_bias = input_group, fuse, bias, fuse_bias
         ctx.gather_input, ctx.overlap, ctx.fp8 = gather_input, overlap, fp8
         ctx.x_shape = x.shape
         # the parameter itself, for its main_grad: under recomputation the saved tensors come
@@ -115,7 +114,7 @@ class _LinearAsyncReduce(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:  # fp8: in the weight's dtype, then into main_grad
             grad_w = fp8_wgrad(ctx.weight.dtype)
             grad_w = add_to_main_grad(ctx.weight, grad_w) if ctx.fuse else grad_w
-        grad_b = bias_grad(ctx.bias, g2d, ctx.fuse_bias) if ctx.has_bias else None
+        grad_b = bias_grad(ctx.bias, g2d, ctx.fuse_bias) if ctx.bias is not None else None
         if wait is not None:
             wait()
         if finish is not None:
