@@ -37,7 +37,6 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import nn
 
-from megadyn.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
 
@@ -210,16 +209,9 @@ class HeteroGroups:
 
 
 def reduce_hetero_grads(chunks: Sequence[nn.Module], hetero: HeteroGroups) -> None:
-    """Make every gradient final for the optimizer step: sum the sequence-parallel grads over
-    tp, then finish the DDP wrappers' sums over each layer range's reduce group (with the
-    distributed optimizer a reduce-scatter: only this rank's part of each buffer is final).
-
-    The tp sum comes first because a reduce group's ranks are ordered by rank, so the tp ranks
-    of one stage may own different parts of their buffers; the wrappers then must not start
-    their sums in the backward (`build_model_parts` turns that overlap off under sequence
-    parallelism)."""
-    replica = hetero.replica
-    if replica.layout.sequence_parallel and replica.tp_size > 1:
-        allreduce_sequence_parallel_grads(chunks, replica.tp_group)
+    """Make every gradient final for the optimizer step: finish the DDP wrappers' sums over
+    each layer range's reduce group (with the distributed optimizer a reduce-scatter: only
+    this rank's part of each buffer is final). Replicas run without sequence parallelism
+    (training/hetero_config.py refuses it), so no gradient waits for a sum over tp first."""
     for chunk in chunks:
         chunk.finish_grad_sync()

@@ -26,6 +26,7 @@ def heterogeneous_conflicts(cfg: MegadynConfig) -> list[str]:
         "--num-distributed-optimizer-instances > 1": p.num_distributed_optimizer_instances > 1,
         "--num-layers-per-virtual-pipeline-stage": p.num_layers_per_virtual_pipeline_stage,
         "--context-parallel-size > 1": p.cp > 1,
+        "--sequence-parallel": p.sequence_parallel,
         "--micro-batch-tokens": t.micro_batch_tokens is not None,
         "--rampup-batch-size": t.rampup_batch_size is not None,
         "--enable-cuda-graph": t.enable_cuda_graph,

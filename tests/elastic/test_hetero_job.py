@@ -181,6 +181,8 @@ def test_what_templates_do_not_run_with_is_refused_naming_both_flags():
     instances = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
     with pytest.raises(ConfigError, match="--heterogeneous-pipelines .*--num-distributed-opt"):
         parse_args(hetero + instances, world_size=3)
+    with pytest.raises(ConfigError, match="--heterogeneous-pipelines .*--sequence-parallel"):
+        parse_args(hetero + ["--tensor-model-parallel-size", "1", "--sequence-parallel"], 3)
     with pytest.raises(ConfigError, match="--heterogeneous-pipelines 2 1 .* needs 3 processes"):
         parse_args(hetero, world_size=4)
     assert parse_args(hetero, world_size=3).parallel.heterogeneous_pipelines == (2, 1)
