@@ -55,41 +55,53 @@ def describe_hetero(
     scalars: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> StateDescription:
     """The pieces of every global tensor that each member of `layout` holds."""
-    ranges = layout.layer_ranges()
+    ranges, groups = layout.layer_ranges(), layout.reduce_groups()
+    buffers: dict[tuple, list] = {}  # each reduce group's flat ranges, shared by its members
     whole = None
     pieces: dict[int, list[HeldPiece]] = {}
     for rep in layout.replicas:
         for stage in range(rep.num_stages):
             ranks = rep.stage_ranks(stage, layout.tp)
             whole = describe(cfg, Layout(tp=layout.tp), ranks, scalars=scalars)
-            parts = {g.part for g in layout.groups_of(ranks[0])}
             for rank in ranks:
+                group_of = {g.part: g.ranks for g in groups if rank in g.ranks}
                 pieces[rank] = [
                     p
                     for p in whole.pieces[rank]
-                    if (name := _param_name(p.key)) is None or reduce_part(name, ranges) in parts
+                    if (name := _param_name(p.key)) is None or reduce_part(name, ranges) in group_of
                 ]
                 if distopt is not None:
-                    pieces[rank] = _sharded_optimizer(cfg, layout, rank, pieces[rank], distopt)
+                    pieces[rank] = _sharded_optimizer(
+                        cfg, layout, rank, pieces[rank], distopt, group_of, buffers
+                    )
     return StateDescription(whole.tensors, pieces)
 
 
 def _sharded_optimizer(
-    cfg: GPTConfig, layout: HeteroLayout, rank: int, held: list[HeldPiece], distopt: DistOpt
+    cfg: GPTConfig,
+    layout: HeteroLayout,
+    rank: int,
+    held: list[HeldPiece],
+    distopt: DistOpt,
+    group_of: dict,
+    buffers: dict,
 ) -> list[HeldPiece]:
     """`held` (a rank's weights and whole optimizer pieces) with each optimizer piece cut to
-    the flat range this rank owns of its reduce group's buffer (dropped where it owns none)."""
-    ranges, tp_rank = layout.layer_ranges(), layout.coords_of(rank).tp
-    group_of = {g.part: g.ranks for g in layout.reduce_groups() if g.tp_rank == tp_rank}
+    the flat range this rank owns of its reduce group's buffer (dropped where it owns none).
+    `group_of`: the ranks of each part's reduce group that `rank` is in; `buffers`: the flat
+    ranges of each group's buffer, computed for its first member and kept for the others."""
+    ranges = layout.layer_ranges()
     weights = {_param_name(p.key): p for p in held if p.key.startswith("model.")}
     by_group: dict[tuple[int, ...], list[str]] = {}  # each buffer's params, registered order
     for name in registration_order(cfg, list(weights)):
         by_group.setdefault(group_of[reduce_part(name, ranges)], []).append(name)
     owned: dict[str, tuple[int, int]] = {}
     for ranks, names in by_group.items():
-        numels = [weights[n].numel for n in names]
-        separate = [layout.tied_embeddings and n == WORD_EMBEDDING for n in names]
-        per_rank = flat_ranges(numels, len(ranks), distopt, separate)
+        if (ranks, tuple(names)) not in buffers:
+            numels = [weights[n].numel for n in names]
+            separate = [layout.tied_embeddings and n == WORD_EMBEDDING for n in names]
+            buffers[ranks, tuple(names)] = flat_ranges(numels, len(ranks), distopt, separate)
+        per_rank = buffers[ranks, tuple(names)]
         owned.update({n: per_rank[i][ranks.index(rank)] for i, n in enumerate(names)})
     out = []
     for p in held:

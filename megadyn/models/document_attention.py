@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from megadyn.core.context_parallel.documents import PackedDocuments
+from megadyn.core.context_parallel.documents import PackedDocuments, packed
 
 BLOCK = 128
 """Tile size of the flex_attention block mask (flex_attention's default)."""
@@ -89,7 +89,7 @@ class DocumentMask:
     (megadyn/core/context_parallel/placement.py), which the attention's blocks follow."""
     packed: PackedDocuments | None = None
     """Under context parallelism: `document_ids` as its attention takes them, with their host
-    copy made once per micro batch, from which the blocks' per-document kernel calls take
+    copy (made at its first use, once per micro batch), from which the blocks' per-document kernel calls take
     their ranges (every layer's, computed once: PackedDocuments.derived)."""
 
     @classmethod
@@ -99,10 +99,7 @@ class DocumentMask:
         """The mask of `document_ids`; under context parallelism the ids alone (the ring and
         all-gather attention mask the blocks they compute), with the dynamic placement if any."""
         if context_parallel:
-            packed = None
-            if document_ids is not None:
-                packed = PackedDocuments(document_ids, document_ids.cpu())
-            return cls(document_ids, cp_placement=cp_placement, packed=packed)
+            return cls(document_ids, cp_placement=cp_placement, packed=packed(document_ids))
         if document_ids.is_cuda:
             return cls(document_ids, block_mask=document_block_mask(document_ids))
         return cls(document_ids, dense=dense_document_mask(document_ids))

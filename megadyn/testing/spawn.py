@@ -65,7 +65,7 @@ def _bindable(port: int) -> bool:
     return True
 
 
-_PRELOAD = ["torch", "torch.distributed"]  # what the server imports once for every rank
+_PRELOAD = ("torch", "torch.distributed")  # what the server imports once for every rank
 
 
 class _CallerFd:

@@ -60,6 +60,9 @@ def build_model_parts(
     over it with --use-distributed-optimizer; see megadyn/core/hetero_groups.py)."""
     t, p = cfg.training, cfg.parallel
     hetero = groups if isinstance(groups, HeteroGroups) else None
+    # the ranks the optimizer shards over, as the state description counts them (replicas of a
+    # heterogeneous layout, its dp; dp x cp of a grid): the bucket size follows it
+    shards = groups.layout.dp * groups.layout.cp
     if hetero is not None:
         groups = hetero.replica
     seed_default_generator(t.seed, groups.pp_rank, device)
@@ -77,10 +80,10 @@ def build_model_parts(
         DistributedDataParallel(
             c,
             groups.dp_cp_group,  # weights are replicated over dp x cp (a replica: dp 1)
-            overlap_grad_reduce=p.overlap_grad_reduce and _may_overlap(groups, hetero),
+            overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather,
-            bucket_size=default_bucket_size(p.overlap_grad_reduce, _shards(groups, hetero)),
+            bucket_size=default_bucket_size(p.overlap_grad_reduce, shards),
             shard_group=groups.intra_distopt_group,  # --num-distributed-optimizer-instances
             replica_group=groups.inter_distopt_group,
             grad_groups=_grad_groups(c, hetero),
@@ -97,18 +100,6 @@ def build_model_parts(
         cp_balance=model_cfg.cp_placement == "dynamic",
     )
     return ModelParts(tracker, chunks, ddp, optimizer, pipeline_cfg)
-
-
-def _shards(groups, hetero: HeteroGroups | None) -> int:
-    """The ranks the optimizer shards over, as the state description counts them (replicas
-    of a heterogeneous layout; dp x cp of a grid): the bucket size follows it."""
-    return hetero.dp_size if hetero else groups.dp_cp_size
-
-
-def _may_overlap(groups, hetero: HeteroGroups | None) -> bool:
-    """Replicas under sequence parallelism sum over tp before their reduce groups do
-    (`reduce_hetero_grads`): their buckets wait for the end of the backward."""
-    return hetero is None or not (groups.layout.sequence_parallel and groups.tp_size > 1)
 
 
 def _grad_groups(chunk, hetero: HeteroGroups | None) -> dict | None:

@@ -86,10 +86,6 @@ class HeteroStep:
         return self.groups.replica
 
     @property
-    def stage_layers(self) -> tuple[range, ...]:
-        return self.groups.stage_layers
-
-    @property
     def micro_batches(self) -> int:
         return self.groups.micro_batches
 

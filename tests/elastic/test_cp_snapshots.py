@@ -24,6 +24,7 @@ def trained(rank, world, argv, iters=None, kept=None):
     from megadyn.launch.run import step_hooks
     from megadyn.launch.snapshot_keeper import resume
     from megadyn.training.arguments import parse_args
+    from megadyn.training.draws import draws_before
     from megadyn.training.trainer import Trainer
 
     cfg = parse_args(list(argv), world)
@@ -33,7 +34,7 @@ def trained(rank, world, argv, iters=None, kept=None):
     trainer.train_iters = iters or trainer.train_iters
     losses = trainer.train()
     if kept is not None:  # the steps after the snapshot are lost with the job
-        trainer.draws = [d for d in trainer.draws if d[0] < kept * GLOBAL_BATCH]
+        trainer.draws = draws_before(trainer.draws, kept * GLOBAL_BATCH)
     samples = trainer.samples_drawn
     groups.destroy()
     return losses, samples

@@ -22,6 +22,7 @@ blocks.py's; the backward takes the final output and log-sum-exp of the query ro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -35,14 +36,18 @@ Rect = tuple[int, int, int, int, int, bool]
 @dataclass(frozen=True)
 class PackedDocuments:
     """A micro batch's document ids [b, S] where the attention runs (`ids`) and on the host
-    (`host`): the per-document calls take their ranges from the host copy, made once per
-    micro batch (models/document_attention.py), instead of reading the device at every
-    block. What the attention derives from them (its blocks' rectangles) is the same in every
-    layer: `derived` computes it once per micro batch."""
+    (`host`): the per-document calls take their ranges from the host copy, made at its first
+    use and kept for the micro batch (models/document_attention.py builds one per micro
+    batch), instead of reading the device at every block. What the attention derives from
+    them (its blocks' rectangles) is the same in every layer: `derived` computes it once per
+    micro batch."""
 
     ids: torch.Tensor
-    host: torch.Tensor
     _derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def host(self) -> torch.Tensor:
+        return self.ids.cpu()
 
     def derived(self, key, make):
         """`make()`, computed at the first call with `key` and kept for the micro batch."""
@@ -52,10 +57,10 @@ class PackedDocuments:
 
 
 def packed(document_ids) -> PackedDocuments | None:
-    """`document_ids` as PackedDocuments (a tensor is copied to the host here, once per call)."""
+    """`document_ids` as PackedDocuments (a tensor's host copy is made at its first use)."""
     if document_ids is None or isinstance(document_ids, PackedDocuments):
         return document_ids
-    return PackedDocuments(document_ids, document_ids.cpu())
+    return PackedDocuments(document_ids)
 
 
 def device_ids(document_ids) -> torch.Tensor | None:

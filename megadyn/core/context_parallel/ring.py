@@ -57,11 +57,11 @@ def _step_block(ring: RingExchange, step: int, half: int, document_ids, seen=Non
     """(rows, cols, causal, visible) of ring step `step`, where `visible` [b, 1, sq, sk] keeps
     the pairs of one document (None without `document_ids` [b, S]); None when nothing in the
     block is visible (`seen`: `_steps_seen`'s flags)."""
+    if seen is not None and not seen[step]:  # `seen` is None without `document_ids`
+        return None
     rows, cols, causal, q_doc, k_doc = _step_documents(ring, step, half, document_ids)
     if document_ids is None:
         return rows, cols, causal, None
-    if seen is not None and not seen[step]:
-        return None
     visible = (q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1)  # [b, 1, sq, sk]
     return rows, cols, causal, visible
 
@@ -114,7 +114,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             docs = None
         masked = fused is None and (document_ids is not None or dropout is not None)
-        block_forward, _ = block_kernels(q, kernel, masked=masked)
+        pair = block_kernels(q, kernel, masked=masked)  # (forward, backward)
         seen = None if fused else _steps_seen(ring, half, document_ids)
         kv = torch.stack([k, v]).contiguous()  # [2, b, g, s, d]: one message per step
         held, out, lse = [], None, None  # held[j]: the keys and values of ring step j
@@ -131,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     drop = _block_dropout(dropout, ring, step, qb, kb)
                     causal, visible = block[2], block[3]
-                    block_out, block_lse = block_forward(qb, kb, vb, causal, scale, visible, drop)
+                    block_out, block_lse = pair[0](qb, kb, vb, causal, scale, visible, drop)
                 if out is None:  # step 0: [b, n, s, d], [b, n, s] in accumulation precision
                     out, lse = block_out.to(torch.promote_types(q.dtype, torch.float32)), block_lse
                 else:
@@ -142,8 +142,8 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         # the received keys and values are kept: the backward needs no second trip round the ring
         ctx.save_for_backward(q, out, lse, *held)
-        ctx.group, ctx.scale, ctx.document_ids, ctx.kernel = group, scale, document_ids, kernel
-        ctx.dropout, ctx.masked, ctx.seen, ctx.fused, ctx.docs = dropout, masked, seen, fused, docs
+        ctx.group, ctx.scale, ctx.document_ids, ctx.pair = group, scale, document_ids, pair
+        ctx.dropout, ctx.seen, ctx.fused, ctx.docs = dropout, seen, fused, docs
         return out
 
     @staticmethod
@@ -155,16 +155,16 @@ class _RingAttention(torch.autograd.Function):
         ring = RingExchange(ctx.group)
         half = q.shape[2] // 2
         acc = torch.promote_types(q.dtype, torch.float32)
-        sent_dtype = _partial_dtype(q, ctx.kernel, ctx.masked, ctx.docs, acc)
+        sent_dtype = _partial_dtype(q, ctx.pair, ctx.docs, acc)
         dq = torch.zeros_like(q, dtype=acc)
         pending, partials = [], []
         for step in reversed(range(ring.size)):
             grads = _block_grads(ctx, ring, step, half, held[step], dout, q, out, lse)
             if grads is not None:
-                rows, cols, dq_b, dk_b, dv_b = grads
+                rows, dq_b, dk_b, dv_b = grads
                 dq[:, :, rows] += dq_b
             if step == 0:  # the own block: every query sees its own key, all columns
-                dk, dv = grads[3].to(acc), grads[4].to(acc)
+                dk, dv = dk_b.to(acc), dv_b.to(acc)
                 continue
             # this block's gradients of rank `origin`'s keys and values (zeros: nothing seen)
             origin = (ring.rank - step) % ring.size
@@ -172,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
             if grads is None:
                 message = [torch.zeros(shape, dtype=sent_dtype, device=q.device)] * 2
             else:  # as the kernel gave them: no copy into one message
-                message = [g.to(sent_dtype) for g in grads[3:]]
+                message = [dk_b.to(sent_dtype), dv_b.to(sent_dtype)]
             # and from the rank `step` ahead, its gradients of this rank's keys and values
             sender = (ring.rank + step) % ring.size
             cols = _block_plan(step, ring.rank, sender, half)[1]
@@ -206,8 +206,8 @@ def _block(ring: RingExchange, step: int, half: int, docs, document_ids, seen):
 
 
 def _block_grads(ctx, ring: RingExchange, step: int, half: int, kv, dout, q, out, lse):
-    """(rows, cols, dq, dk, dv) of ring step `step`'s block over the keys and values `kv`
-    held there; None when nothing in it is visible."""
+    """(rows, dq, dk, dv) of ring step `step`'s block over the keys and values `kv` held
+    there; None when nothing in it is visible."""
     block = _block(ring, step, half, ctx.docs, ctx.document_ids, ctx.seen)
     if block is None:
         return None
@@ -219,20 +219,19 @@ def _block_grads(ctx, ring: RingExchange, step: int, half: int, kv, dout, q, out
             ctx.scale, block[2],
         )  # fmt: skip
     else:
-        _, block_backward = block_kernels(q, ctx.kernel, masked=ctx.masked)
         drop = _block_dropout(ctx.dropout, ring, step, qb, kb)
-        grads = block_backward(
+        grads = ctx.pair[1](
             dout[:, :, rows], qb, kb, vb, out[:, :, rows], lse[:, :, rows],
             block[2], ctx.scale, block[3], drop,
         )  # fmt: skip
-    return (rows, cols, *grads)
+    return (rows, *grads)
 
 
-def _partial_dtype(q, kernel, masked: bool, docs, acc) -> torch.dtype:
+def _partial_dtype(q, pair, docs, acc) -> torch.dtype:
     """The dtype of a block's key/value gradients, as every rank computes it: the input's
     from the fused kernels, the accumulation precision from the math and per-document paths
     (they sum several calls): so a rank sends them as they are and knows what it receives."""
-    if docs is not None or block_kernels(q, kernel, masked=masked) is KERNELS["math"]:
+    if docs is not None or pair is KERNELS["math"]:
         return acc
     return q.dtype
 
