@@ -1,42 +1,31 @@
 """Attention under a dynamic placement (--cp-placement dynamic, placement.py): each cp rank
-computes the (query block, key block) pairs of its own query blocks that hold a visible pair,
-and receives only the key/value blocks those pairs read from the ranks that hold them.
+receives only the key/value blocks its queries read from the ranks that hold them, then
+computes all of its queries' attention in one varlen kernel call (varlen.py).
 
     out = dynamic_attention(q, k, v, cp_group, placement, document_ids)   # q [b, n, s, d]
 
-Forward: the exchange of the needed key/value blocks starts (one message per pair of ranks
-that need anything from each other), the pairs on the rank's own keys are computed meanwhile
-(the diagonal block of each query block first, so every query row starts with a visible key),
-then those on the received keys; blocks merge through their log-sum-exp (blocks.py). The
-received blocks are kept for the backward, which computes the pairs on received keys first,
-sends the gradients of those keys back to their owners while it computes the local pairs, and
-adds what comes back to the gradients of the rank's own keys and values.
+Forward: the exchange of the needed key/value blocks (one message per pair of ranks that need
+anything from each other) runs while the rank derives its segments (once per micro batch):
+each run of its query tokens that are consecutive in the sequence and of one document, over
+that document's keys from its start to the run's end. The keys of all segments are packed
+(a key that several segments read is copied into each) and one call computes every query row
+(causal within its document, --reset-attention-mask; over the whole sequence without document
+ids). The received blocks are kept for the backward, which repacks the keys, makes one
+backward call, sums each packed key's gradients at its position (fp32), sends the gradients of
+received keys back to their owners and adds what comes back to the rank's own.
 
-The pairs are gathered into kernel calls: per query block its diagonal block (causal), and
-per source of keys (this rank, or one peer) its wholly visible key blocks in one call (they are
-consecutive there: one document's run of blocks) and its masked ones in another. Unmasked
-calls run through kernels.py's block kernel (fused on the GPU); masked ones (a document
-boundary inside) run the same fused kernel once per document (documents.py), or blocks.py's
-math under the document mask where no fused kernel runs.
+--cp-placement static_blocks runs the static split's blocks through the same path: the
+comparison point of the placement alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from megadyn.core.context_parallel.blocks import merge_into
-from megadyn.core.context_parallel.documents import (
-    device_ids,
-    document_rects,
-    documents_backward,
-    documents_forward,
-    packed,
-)
-from megadyn.core.context_parallel.kernels import block_kernels, fused_kernels
-from megadyn.core.context_parallel.placement import MASKED, BlockPlacement
+from megadyn.core.context_parallel.documents import packed
+from megadyn.core.context_parallel.placement import BlockPlacement
+from megadyn.core.context_parallel.varlen import VarlenPlan, varlen_backward, varlen_forward
 
 
 def _needs(placement: BlockPlacement, rank: int) -> list[int]:
@@ -87,180 +76,115 @@ def _wait(pending: list) -> None:
         work.wait()
 
 
-def _key_slices(placement, rank, receives) -> dict[int, tuple[object, int]]:
-    """{key block: (where it is: "own" or the peer it came from, its index there)}."""
-    where = {k: ("own", i) for i, k in enumerate(placement.blocks[rank])}
+def _positions(blocks, n: int, device) -> torch.Tensor:
+    """Sequence positions of `blocks` of n tokens, in the blocks' order."""
+    return torch.cat([torch.arange(k * n, (k + 1) * n, device=device) for k in blocks])
+
+
+def _plan(placement: BlockPlacement, rank: int, ids, batch: int, device) -> VarlenPlan:
+    """`rank`'s queries as varlen segments: per sample row, each run of its tokens that are
+    consecutive in the sequence and of one document is a segment, over the keys from that
+    document's start to the run's end (positions in the whole sequence, flattened over the
+    rows). `ids` [b, S] on the host, or None (one document: causal over the sequence)."""
+    seq = placement.kinds.shape[0] * placement.block_size
+    pos = placement.token_index(rank)
+    if ids is None:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    index = torch.arange(seq)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    doc_start = torch.where(starts, index, 0).cummax(-1).values  # [b, S]
+    q_len, k_len, keys = [], [], []
+    for row in range(ids.shape[0]):
+        mine = ids[row, pos]
+        cut = torch.ones(pos.numel(), dtype=torch.bool)
+        cut[1:] = (pos[1:] != pos[:-1] + 1) | (mine[1:] != mine[:-1])
+        bounds = cut.nonzero().flatten().tolist() + [pos.numel()]
+        for a, e in zip(bounds, bounds[1:]):
+            first, last = doc_start[row, pos[a]].item(), pos[e - 1].item() + 1
+            q_len.append(e - a)
+            k_len.append(last - first)
+            keys.append(torch.arange(row * seq + first, row * seq + last))
+    return VarlenPlan.build(q_len, k_len, torch.cat(keys), device)
+
+
+def _whole(kv, buffers: dict, receives: dict, placement: BlockPlacement, rank: int):
+    """[2, b * S, g, d]: the keys and values of the whole sequence that this rank holds or
+    received (kv [2, b, g, s, d], the received blocks in `buffers`), at their positions; the
+    rest is never read."""
+    n, seq = placement.block_size, placement.kinds.shape[0] * placement.block_size
+    _, b, g, _, d = kv.shape
+    whole = kv.new_empty(2, b, seq, g, d)
+    whole.index_copy_(2, placement.token_index(rank, kv.device), kv.transpose(2, 3))
     for peer, blocks in receives.items():
-        where.update({k: (peer, j) for j, k in enumerate(blocks)})
-    return where
+        whole.index_copy_(2, _positions(blocks, n, kv.device), buffers[peer].transpose(2, 3))
+    return whole.view(2, b * seq, g, d)
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One kernel call: query block `i` (local) on key blocks `keys` held in one `source`."""
-
-    i: int
-    source: object
-    """"own" (this rank's keys and values) or the peer whose blocks were received."""
-    keys: tuple[int, ...]
-    """Global key blocks, increasing."""
-    cols: object
-    """Their columns in the source: a slice when consecutive there, else an index tensor."""
-    causal: bool
-    """The diagonal block (local positions increase within it)."""
-    masked: bool
-    """A document boundary inside: the math kernel under the document mask."""
-
-
-def _calls(placement: BlockPlacement, rank: int, where: dict, device) -> list[_Call]:
-    """The pairs of `rank` gathered into kernel calls: per query block, its diagonal block, then
-    per source its wholly visible key blocks in one call and its masked ones in another; the
-    calls on this rank's own keys first."""
-    n, grouped = placement.block_size, {}
-    for i, k, kind in placement.pairs(rank):
-        diagonal = placement.blocks[rank][i] == k
-        grouped.setdefault((i, where[k][0], kind, diagonal), []).append(k)
-    calls = []
-    for (i, source, kind, diagonal), keys in grouped.items():
-        keys = sorted(keys)
-        at = [where[k][1] for k in keys]
-        if at == list(range(at[0], at[0] + len(at))):
-            cols = slice(at[0] * n, (at[-1] + 1) * n)
-        else:
-            cols = torch.cat([torch.arange(j * n, (j + 1) * n, device=device) for j in at])
-        calls.append(_Call(i, source, tuple(keys), cols, diagonal, kind == MASKED))
-    calls.sort(key=lambda c: (c.source != "own", not c.causal))
-    return calls
-
-
-def _take(x: torch.Tensor, cols) -> torch.Tensor:
-    """x [..., s, d] at columns `cols` (a slice or an index tensor) of dim -2."""
-    return x[..., cols, :] if isinstance(cols, slice) else x.index_select(-2, cols)
-
-
-def _documents(document_ids, placement, q_block: int, call: _Call):
-    """The document ids of a call's query rows [b, N] and key columns [b, n_keys]."""
-    n = placement.block_size
-    q_doc = document_ids[:, q_block * n : (q_block + 1) * n]
-    k_doc = torch.cat([document_ids[:, k * n : (k + 1) * n] for k in call.keys], dim=1)
-    return q_doc, k_doc
-
-
-def _masks(documents, placement, rank: int, calls: list[_Call], fused) -> list:
-    """Per call its document mask: None (unmasked), the visible rectangles of documents.py
-    (masked, with a fused kernel; from the host copy of the ids) or the [b, 1, N, n_keys]
-    mask of the math kernel."""
-    masks = []
-    for call in calls:
-        if not call.masked:
-            masks.append(None)
-            continue
-        q_block = placement.blocks[rank][call.i]
-        if fused is not None:
-            q_doc, k_doc = _documents(documents.host, placement, q_block, call)
-            masks.append(document_rects(q_doc, k_doc, call.causal))
-        else:
-            q_doc, k_doc = _documents(device_ids(documents), placement, q_block, call)
-            masks.append((q_doc.unsqueeze(-1) == k_doc.unsqueeze(-2)).unsqueeze(1))
-    return masks
-
-
-def _forward_call(q, kb, vb, call: _Call, scale, kernel, fused, mask):
-    """(output, log-sum-exp) of one call, through the kernel its mask needs."""
-    if isinstance(mask, list):
-        return documents_forward(fused[0], q, kb, vb, scale, mask)
-    forward, _ = block_kernels(q, kernel, masked=mask is not None)
-    return forward(q, kb, vb, call.causal, scale, mask)
-
-
-def _backward_call(dout, q, kb, vb, out, lse, call: _Call, scale, kernel, fused, mask):
-    """The gradients of q, k and v of one call, through the kernel its mask needs."""
-    if isinstance(mask, list):
-        return documents_backward(fused[1], dout, q, kb, vb, out, lse, scale, mask)
-    _, backward = block_kernels(q, kernel, masked=mask is not None)
-    return backward(dout, q, kb, vb, out, lse, call.causal, scale, mask)
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """[b, n, s, d] -> [b * s, n, d] (a view where x is a transposed [b, s, n, d])."""
+    b, n, s, d = x.shape
+    return x.transpose(1, 2).reshape(b * s, n, d)
 
 
 class _DynamicAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, placement, document_ids, scale, kernel):
         rank = dist.get_rank(group)
-        n = placement.block_size
         kv = torch.stack([k, v])  # [2, b, g, s, d]
         sends, receives = _exchange_plan(placement, rank)
         buffers, pending = _start(group, sends, receives, kv, placement, rank)
-        calls = _calls(placement, rank, _key_slices(placement, rank, receives), q.device)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)  # [b, n, s, d]
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        fused = fused_kernels(q, kernel)
-        if fused and document_ids is not None:  # the same in every layer: once per micro batch
-            docs = packed(document_ids)
-            key = ("dynamic", rank, id(placement))
-            masks = docs.derived(key, lambda: _masks(docs, placement, rank, calls, fused))
-        else:
-            masks = _masks(document_ids, placement, rank, calls, fused)
-        waited = False
-        for call, mask in zip(calls, masks):  # own keys first (diagonal blocks first), received
-            if call.source != "own" and not waited:
-                _wait(pending)
-                waited = True
-            keys = kv if call.source == "own" else buffers[call.source]
-            rows = slice(call.i * n, (call.i + 1) * n)
-            kb, vb = _take(keys[0], call.cols), _take(keys[1], call.cols)
-            o, s = _forward_call(q[:, :, rows], kb, vb, call, scale, kernel, fused, mask)
-            merge_into(out[:, :, rows], lse[:, :, rows], o.to(acc), s.to(lse.dtype))
-        if not waited:
-            _wait(pending)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *buffers.values())
-        ctx.peers, ctx.calls, ctx.masks, ctx.fused = list(buffers), calls, masks, fused
-        ctx.group, ctx.placement = group, placement
-        ctx.scale, ctx.kernel = scale, kernel
-        return out
+        key = ("varlen", rank, q.shape[0], q.device)  # the same in every layer: once per batch
+        if key not in placement.derived:
+            host = None if document_ids is None else packed(document_ids).host
+            placement.derived[key] = _plan(placement, rank, host, q.shape[0], q.device)
+        plan = placement.derived[key]
+        _wait(pending)
+        keys, values = _whole(kv, buffers, receives, placement, rank).index_select(
+            1, plan.key_index
+        )
+        out, saved = varlen_forward(_tokens_first(q), keys, values, plan, scale, kernel)
+        ctx.save_for_backward(q, k, v, out, *saved, *buffers.values())
+        ctx.n_saved, ctx.receives, ctx.plan = len(saved), receives, plan
+        ctx.group, ctx.placement, ctx.scale, ctx.kernel = group, placement, scale, kernel
+        b, n, s, d = q.shape
+        return out.view(b, s, n, d).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, *received = ctx.saved_tensors
-        placement, group = ctx.placement, ctx.group
+        q, k, v, out, *rest = ctx.saved_tensors
+        saved, received = rest[: ctx.n_saved], rest[ctx.n_saved :]
+        placement, group, plan, receives = ctx.placement, ctx.group, ctx.plan, ctx.receives
         rank, n = dist.get_rank(group), placement.block_size
-        buffers = dict(zip(ctx.peers, received))
+        buffers = dict(zip(receives, received))
         kv = torch.stack([k, v])
-        sends, _ = _exchange_plan(placement, rank)
+        keys, values = _whole(kv, buffers, receives, placement, rank).index_select(
+            1, plan.key_index
+        )
+        b, heads, s, d = q.shape
+        dq, dk, dv = varlen_backward(
+            _tokens_first(dout), _tokens_first(q), keys, values, out, saved, plan, ctx.scale,
+            ctx.kernel,
+        )  # fmt: skip
         acc = torch.promote_types(q.dtype, torch.float32)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        seq = placement.kinds.shape[0] * n
+        dwhole = torch.zeros(2, b * seq, *k.shape[1:2], d, dtype=acc, device=q.device)
+        dwhole.index_add_(1, plan.key_index, torch.stack([dk, dv]).to(acc))
+        dwhole = dwhole.view(2, b, seq, -1, d)
         dremote = {
-            peer: torch.zeros(b.shape, dtype=acc, device=q.device) for peer, b in buffers.items()
+            peer: dwhole.index_select(2, _positions(blocks, n, q.device)).transpose(2, 3)
+            for peer, blocks in receives.items()
         }
-        pending, returned = [], {}
-        calls = list(zip(ctx.calls, ctx.masks))
-        remote = [(c, m) for c, m in calls if c.source != "own"]
-        local = [(c, m) for c, m in calls if c.source == "own"]
-        for batch in (remote, local):
-            for call, mask in batch:
-                keys = kv if call.source == "own" else buffers[call.source]
-                grads = dkv if call.source == "own" else dremote[call.source]
-                rows = slice(call.i * n, (call.i + 1) * n)
-                kb, vb = _take(keys[0], call.cols), _take(keys[1], call.cols)
-                dq_b, dk_b, dv_b = _backward_call(
-                    dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows],
-                    call, ctx.scale, ctx.kernel, ctx.fused, mask,
-                )  # fmt: skip
-                dq[:, :, rows] += dq_b
-                if isinstance(call.cols, slice):
-                    grads[0][..., call.cols, :] += dk_b
-                    grads[1][..., call.cols, :] += dv_b
-                else:
-                    grads[0].index_add_(-2, call.cols, dk_b.to(acc))
-                    grads[1].index_add_(-2, call.cols, dv_b.to(acc))
-            if batch is remote:  # the gradients of received keys go home while local pairs run
-                returned, pending = _start_return(group, sends, dremote, placement, rank, dkv)
+        dkv = dwhole.index_select(2, placement.token_index(rank, q.device)).transpose(2, 3)
+        dkv = dkv.contiguous()
+        sends, _ = _exchange_plan(placement, rank)
+        returned, pending = _start_return(group, sends, dremote, placement, rank, dkv)
         _wait(pending)
         for peer, blocks in sends.items():
             rows = _block_rows(placement, rank, blocks).to(q.device)
             dkv.index_add_(3, rows, returned[peer])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dq = dq.view(b, s, heads, d).transpose(1, 2)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def _start_return(group, sends, dremote, placement, rank, like) -> tuple[dict, list]:

@@ -72,6 +72,9 @@ class BlockPlacement:
     kinds: torch.Tensor
     """[S / N, S / N] int8: how query block q attends to key block k (`KINDS`; 0: not)."""
     _pairs: dict = field(default_factory=dict, compare=False, repr=False)
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+    """What the attention derives from the placement (dynamic.py's segments), computed in the
+    first layer and kept for the micro batch the placement belongs to."""
 
     @property
     def cp(self) -> int:
