@@ -20,12 +20,18 @@ comparison point of the placement alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from megadyn.core.context_parallel.documents import packed
 from megadyn.core.context_parallel.placement import BlockPlacement
-from megadyn.core.context_parallel.varlen import VarlenPlan, varlen_backward, varlen_forward
+from megadyn.core.context_parallel.varlen import (
+    VarlenPlan,
+    varlen_backward,
+    varlen_forward,
+)
 
 
 def _needs(placement: BlockPlacement, rank: int) -> list[int]:
@@ -49,26 +55,96 @@ def _exchange_plan(placement: BlockPlacement, rank: int):
     return sends, receives
 
 
-def _block_rows(placement: BlockPlacement, rank: int, blocks: list[int]) -> torch.Tensor:
-    """Local token rows of `rank`'s `blocks` (each one of its own)."""
-    n, local = placement.block_size, placement.blocks[rank]
-    return torch.cat([torch.arange(local.index(k) * n, (local.index(k) + 1) * n) for k in blocks])
+def _positions(blocks, n: int) -> torch.Tensor:
+    """Sequence positions of `blocks` of n tokens, in the blocks' order."""
+    return torch.cat([torch.arange(k * n, (k + 1) * n) for k in blocks])
 
 
-def _start(group, sends: dict, receives: dict, source, placement, rank) -> tuple[dict, list]:
-    """Start sending `source` [2, b, g, s, d]'s blocks of `sends` and receiving those of
-    `receives`; returns ({peer: buffer}, pending work)."""
+@dataclass(frozen=True)
+class _Part:
+    """One varlen call: its segments and the rows of the rank's queries (token order,
+    flattened over the micro batch's samples) they cover, in the call's order."""
+
+    plan: VarlenPlan
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What one rank's attention derives from the placement: the same in every layer, so
+    derived once per micro batch (BlockPlacement.derived)."""
+
+    seq: int
+    own: torch.Tensor
+    """Sequence positions of the rank's tokens, in its local order."""
+    sends: dict
+    """{peer: local rows of the rank's blocks that peer reads}."""
+    receives: dict
+    """{peer: sequence positions of the blocks received from it}."""
+    parts: tuple
+    """(segments on the rank's own keys, the rest): _Part or None each; the first call runs
+    while the received blocks are in flight."""
+
+
+def _segments(placement: BlockPlacement, rank: int, ids: torch.Tensor):
+    """(sample row, first local row, end local row, first key, end key) of each of `rank`'s
+    runs of query tokens consecutive in the sequence and of one document; its keys run from
+    that document's start to the run's end. `ids` [b, S] on the host."""
+    seq = ids.shape[1]
+    pos = placement.token_index(rank)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    doc_start = torch.where(starts, torch.arange(seq), 0).cummax(-1).values  # [b, S]
+    for row in range(ids.shape[0]):
+        mine = ids[row, pos]
+        cut = torch.ones(pos.numel(), dtype=torch.bool)
+        cut[1:] = (pos[1:] != pos[:-1] + 1) | (mine[1:] != mine[:-1])
+        bounds = cut.nonzero().flatten().tolist() + [pos.numel()]
+        for a, e in zip(bounds, bounds[1:]):
+            yield row, a, e, doc_start[row, pos[a]].item(), pos[e - 1].item() + 1
+
+
+def _route(placement: BlockPlacement, rank: int, ids, batch: int, device) -> _Route:
+    """The rank's route (see _Route); `ids` [b, S] on the host, or None (one document)."""
     n = placement.block_size
-    ops, buffers = [], {}
-    for peer, blocks in sends.items():
-        rows = _block_rows(placement, rank, blocks).to(source.device)
-        message = source.index_select(3, rows).contiguous()
-        ops.append(dist.P2POp(dist.isend, message, dist.get_global_rank(group, peer), group))
-    for peer, blocks in receives.items():
-        shape = source.shape[:3] + (len(blocks) * n,) + source.shape[4:]
-        buffers[peer] = torch.empty(shape, dtype=source.dtype, device=source.device)
-        ops.append(dist.P2POp(dist.irecv, buffers[peer], dist.get_global_rank(group, peer), group))
-    return buffers, (dist.batch_isend_irecv(ops) if ops else [])
+    seq, local = placement.kinds.shape[0] * n, placement.token_index(rank).numel()
+    if ids is None:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    own = set(placement.blocks[rank])
+    split = ([], []), ([], [])  # per part: (segments, their query rows)
+    for row, a, e, first, last in _segments(placement, rank, ids):
+        remote = any(k not in own for k in range(first // n, (last - 1) // n + 1))
+        split[remote][0].append((e - a, last - first, row * seq + first))
+        split[remote][1].append(torch.arange(row * local + a, row * local + e))
+    parts = []
+    for segments, rows in split:
+        if not segments:
+            parts.append(None)
+            continue
+        keys = torch.cat([torch.arange(f, f + lk) for _, lk, f in segments])
+        plan = VarlenPlan.build([s[0] for s in segments], [s[1] for s in segments], keys, device)
+        parts.append(_Part(plan, torch.cat(rows).to(device)))
+    sends, receives = _exchange_plan(placement, rank)
+    slot = {k: i for i, k in enumerate(placement.blocks[rank])}
+    return _Route(
+        seq,
+        placement.token_index(rank, device),
+        {p: _positions([slot[k] for k in blocks], n).to(device) for p, blocks in sends.items()},
+        {p: _positions(blocks, n).to(device) for p, blocks in receives.items()},
+        tuple(parts),
+    )
+
+
+def _start(group, messages: dict, buffers: dict) -> list:
+    """Send `messages` and receive into `buffers` ({peer: tensor} each); pending work."""
+    ops = [
+        dist.P2POp(dist.isend, m, dist.get_global_rank(group, p), group)
+        for p, m in messages.items()
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group) for p, b in buffers.items()
+    ]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(pending: list) -> None:
@@ -76,49 +152,14 @@ def _wait(pending: list) -> None:
         work.wait()
 
 
-def _positions(blocks, n: int, device) -> torch.Tensor:
-    """Sequence positions of `blocks` of n tokens, in the blocks' order."""
-    return torch.cat([torch.arange(k * n, (k + 1) * n, device=device) for k in blocks])
+def _blocks_of(x: torch.Tensor, dim: int, index: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A contiguous message of x's entries at `index` along `dim` (one copy)."""
+    return x.index_select(dim, index).to(dtype or x.dtype, memory_format=torch.contiguous_format)
 
 
-def _plan(placement: BlockPlacement, rank: int, ids, batch: int, device) -> VarlenPlan:
-    """`rank`'s queries as varlen segments: per sample row, each run of its tokens that are
-    consecutive in the sequence and of one document is a segment, over the keys from that
-    document's start to the run's end (positions in the whole sequence, flattened over the
-    rows). `ids` [b, S] on the host, or None (one document: causal over the sequence)."""
-    seq = placement.kinds.shape[0] * placement.block_size
-    pos = placement.token_index(rank)
-    if ids is None:
-        ids = torch.zeros(batch, seq, dtype=torch.long)
-    index = torch.arange(seq)
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    doc_start = torch.where(starts, index, 0).cummax(-1).values  # [b, S]
-    q_len, k_len, keys = [], [], []
-    for row in range(ids.shape[0]):
-        mine = ids[row, pos]
-        cut = torch.ones(pos.numel(), dtype=torch.bool)
-        cut[1:] = (pos[1:] != pos[:-1] + 1) | (mine[1:] != mine[:-1])
-        bounds = cut.nonzero().flatten().tolist() + [pos.numel()]
-        for a, e in zip(bounds, bounds[1:]):
-            first, last = doc_start[row, pos[a]].item(), pos[e - 1].item() + 1
-            q_len.append(e - a)
-            k_len.append(last - first)
-            keys.append(torch.arange(row * seq + first, row * seq + last))
-    return VarlenPlan.build(q_len, k_len, torch.cat(keys), device)
-
-
-def _whole(kv, buffers: dict, receives: dict, placement: BlockPlacement, rank: int):
-    """[2, b * S, g, d]: the keys and values of the whole sequence that this rank holds or
-    received (kv [2, b, g, s, d], the received blocks in `buffers`), at their positions; the
-    rest is never read."""
-    n, seq = placement.block_size, placement.kinds.shape[0] * placement.block_size
-    _, b, g, _, d = kv.shape
-    whole = kv.new_empty(2, b, seq, g, d)
-    whole.index_copy_(2, placement.token_index(rank, kv.device), kv.transpose(2, 3))
-    for peer, blocks in receives.items():
-        whole.index_copy_(2, _positions(blocks, n, kv.device), buffers[peer].transpose(2, 3))
-    return whole.view(2, b * seq, g, d)
+def _empty_blocks(kv: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A buffer like kv [2, b, g, s, d] for `tokens` tokens."""
+    return kv.new_empty(kv.shape[:3] + (tokens,) + kv.shape[4:])
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -127,80 +168,94 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b * s, n, d)
 
 
+def _fill(whole: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Put blocks [2, b, g, s', d] at sequence `positions` [s'] of whole [2, b, S, g, d]."""
+    whole.index_copy_(2, positions, blocks.transpose(2, 3))
+
+
 class _DynamicAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, placement, document_ids, scale, kernel):
-        rank = dist.get_rank(group)
-        kv = torch.stack([k, v])  # [2, b, g, s, d]
-        sends, receives = _exchange_plan(placement, rank)
-        buffers, pending = _start(group, sends, receives, kv, placement, rank)
-        key = ("varlen", rank, q.shape[0], q.device)  # the same in every layer: once per batch
+        rank, (b, heads, s, d) = dist.get_rank(group), q.shape
+        key = ("route", rank, b, q.device)  # the same in every layer: once per micro batch
         if key not in placement.derived:
             host = None if document_ids is None else packed(document_ids).host
-            placement.derived[key] = _plan(placement, rank, host, q.shape[0], q.device)
-        plan = placement.derived[key]
-        _wait(pending)
-        keys, values = _whole(kv, buffers, receives, placement, rank).index_select(
-            1, plan.key_index
-        )
-        out, saved = varlen_forward(_tokens_first(q), keys, values, plan, scale, kernel)
-        ctx.save_for_backward(q, k, v, out, *saved, *buffers.values())
-        ctx.n_saved, ctx.receives, ctx.plan = len(saved), receives, plan
-        ctx.group, ctx.placement, ctx.scale, ctx.kernel = group, placement, scale, kernel
-        b, n, s, d = q.shape
-        return out.view(b, s, n, d).transpose(1, 2)
+            placement.derived[key] = _route(placement, rank, host, b, q.device)
+        route = placement.derived[key]
+        kv = torch.stack([k, v])  # [2, b, g, s, d]
+        received = {p: _empty_blocks(kv, len(i)) for p, i in route.receives.items()}
+        messages = {p: _blocks_of(kv, 3, rows) for p, rows in route.sends.items()}
+        pending = _start(group, messages, received)
+        whole = kv.new_empty(2, b, route.seq, k.shape[1], d)
+        _fill(whole, route.own, kv)
+        qt, out = _tokens_first(q), torch.empty(b * s, heads, d, dtype=q.dtype, device=q.device)
+        saved = []
+        for i, part in enumerate(route.parts):  # own keys first, the received ones in flight
+            if i == 1:
+                _wait(pending)
+                for p, positions in route.receives.items():
+                    _fill(whole, positions, received[p])
+            if part is None:
+                saved.append(())
+            else:
+                flat = whole.view(2, b * route.seq, -1, d)
+                keys, values = flat.index_select(1, part.plan.key_index)
+                o, aux = varlen_forward(qt[part.rows], keys, values, part.plan, scale, kernel)
+                out.index_copy_(0, part.rows, o)
+                saved.append((o, *aux))
+        ctx.save_for_backward(q, k, v, *(t for x in saved for t in x), *received.values())
+        ctx.counts = [len(x) for x in saved]
+        ctx.n_saved, ctx.route, ctx.group = sum(ctx.counts), route, group
+        ctx.scale, ctx.kernel = scale, kernel
+        return out.view(b, s, heads, d).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, *rest = ctx.saved_tensors
-        saved, received = rest[: ctx.n_saved], rest[ctx.n_saved :]
-        placement, group, plan, receives = ctx.placement, ctx.group, ctx.plan, ctx.receives
-        rank, n = dist.get_rank(group), placement.block_size
-        buffers = dict(zip(receives, received))
+        q, k, v, *rest = ctx.saved_tensors
+        route, group, (b, heads, s, d) = ctx.route, ctx.group, q.shape
+        saved, received = rest[: ctx.n_saved], dict(zip(route.receives, rest[ctx.n_saved :]))
         kv = torch.stack([k, v])
-        keys, values = _whole(kv, buffers, receives, placement, rank).index_select(
-            1, plan.key_index
-        )
-        b, heads, s, d = q.shape
-        dq, dk, dv = varlen_backward(
-            _tokens_first(dout), _tokens_first(q), keys, values, out, saved, plan, ctx.scale,
-            ctx.kernel,
-        )  # fmt: skip
+        whole = kv.new_empty(2, b, route.seq, k.shape[1], d)
+        _fill(whole, route.own, kv)
+        for p, positions in route.receives.items():
+            _fill(whole, positions, received[p])
+        whole = whole.view(2, b * route.seq, -1, d)
         acc = torch.promote_types(q.dtype, torch.float32)
-        seq = placement.kinds.shape[0] * n
-        dwhole = torch.zeros(2, b * seq, *k.shape[1:2], d, dtype=acc, device=q.device)
-        dwhole.index_add_(1, plan.key_index, torch.stack([dk, dv]).to(acc))
-        dwhole = dwhole.view(2, b, seq, -1, d)
-        dremote = {
-            peer: dwhole.index_select(2, _positions(blocks, n, q.device)).transpose(2, 3)
-            for peer, blocks in receives.items()
-        }
-        dkv = dwhole.index_select(2, placement.token_index(rank, q.device)).transpose(2, 3)
+        dwhole = torch.zeros(whole.shape, dtype=acc, device=q.device)
+        qt, dout_t = _tokens_first(q), _tokens_first(dout)
+        dq = torch.empty_like(qt)
+        per_part, at = [], 0
+        for count in ctx.counts:  # each part's (output, aux...) as the forward saved them
+            per_part.append(saved[at : at + count])
+            at += count
+        pending, returned = [], {}
+        for i in (1, 0):  # the received keys' gradients go home while the own part runs
+            part = route.parts[i]
+            if part is not None:
+                o, *aux = per_part[i]
+                keys, values = whole.index_select(1, part.plan.key_index)
+                rows, plan = part.rows, part.plan
+                dq_p, dk_p, dv_p = varlen_backward(
+                    dout_t[rows], qt[rows], keys, values, o, aux, plan, ctx.scale, ctx.kernel
+                )
+                dq.index_copy_(0, rows, dq_p)
+                dwhole[0].index_add_(0, plan.key_index, dk_p.to(acc))
+                dwhole[1].index_add_(0, plan.key_index, dv_p.to(acc))
+            if i == 1:
+                grads = dwhole.view(2, b, route.seq, -1, d)
+                messages = {  # in the inputs' dtype, as the ring sends them
+                    p: _blocks_of(grads.transpose(2, 3), 3, index, k.dtype)
+                    for p, index in route.receives.items()
+                }
+                returned = {p: _empty_blocks(kv, len(r)) for p, r in route.sends.items()}
+                pending = _start(group, messages, returned)
+        dkv = dwhole.view(2, b, route.seq, -1, d).index_select(2, route.own).transpose(2, 3)
         dkv = dkv.contiguous()
-        sends, _ = _exchange_plan(placement, rank)
-        returned, pending = _start_return(group, sends, dremote, placement, rank, dkv)
         _wait(pending)
-        for peer, blocks in sends.items():
-            rows = _block_rows(placement, rank, blocks).to(q.device)
-            dkv.index_add_(3, rows, returned[peer])
+        for p, rows in route.sends.items():
+            dkv.index_add_(3, rows, returned[p].to(acc))
         dq = dq.view(b, s, heads, d).transpose(1, 2)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
-
-
-def _start_return(group, sends, dremote, placement, rank, like) -> tuple[dict, list]:
-    """Send each received block's key/value gradients back to its owner, and receive those of
-    this rank's blocks that others read: the exchange of the forward, reversed."""
-    n = placement.block_size
-    ops, returned = [], {}
-    for peer, grad in dremote.items():
-        ops.append(
-            dist.P2POp(dist.isend, grad.contiguous(), dist.get_global_rank(group, peer), group)
-        )
-    for peer, blocks in sends.items():
-        shape = like.shape[:3] + (len(blocks) * n,) + like.shape[4:]
-        returned[peer] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        ops.append(dist.P2POp(dist.irecv, returned[peer], dist.get_global_rank(group, peer), group))
-    return returned, (dist.batch_isend_irecv(ops) if ops else [])
 
 
 def dynamic_attention(
