@@ -166,7 +166,8 @@ def skewed_documents(seq: int, lengths: list[int]) -> torch.Tensor:
 def test_placement_balances_attention_work_where_static_does_not(cp):
     """One long document then many short ones (4096 tokens, blocks of 64): the static split's
     late chunks hold only short documents, so its ranks' work differs; the placement's
-    does not, and its blocks cover the sequence once, the same count per rank."""
+    does not, and its blocks cover the sequence once, the same count per rank; at cp 2 in
+    at most two runs of consecutive blocks per rank (a window)."""
     seq, block = 4096, 64
     ids = skewed_documents(seq, [2600] + [100] * 10 + [37, 211, 64, 150])
     placement = place_blocks(seq, block, cp, ids)
@@ -176,5 +177,8 @@ def test_placement_balances_attention_work_where_static_does_not(cp):
     held = sorted(b for blocks in placement.blocks for b in blocks)
     assert held == list(range(seq // block))
     assert {len(blocks) for blocks in placement.blocks} == {seq // block // cp}
+    if cp == 2:  # a window: each rank holds at most two runs of consecutive blocks
+        runs = [1 + sum(b - a > 1 for a, b in zip(held, held[1:])) for held in placement.blocks]
+        assert max(runs) <= 2, placement.blocks
     visible = sum(len(placement.pairs(r)) for r in range(cp))
     assert visible < (seq // block) * (seq // block + 1) // 2  # pairs across documents skipped

@@ -99,6 +99,10 @@ class BlockPlacement:
         return self._pairs[rank]
 
 
+def _loads(weights: list[float], blocks: list[list[int]]) -> list[float]:
+    return [sum(weights[i] for i in held) for held in blocks]
+
+
 def block_kinds(num_blocks: int, first=None, last=None) -> torch.Tensor:
     """[nb, nb] int8 kinds of every (query block, key block) pair, from each block's first and
     last document id [b, nb] (None: causal over the whole sequence). Ids grow along a sample,
@@ -150,6 +154,26 @@ def _assign(weights: list[float], cp: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+WINDOW_SLACK = 0.05
+"""At cp 2 the placement is a window (`_window`) when that balances the work within this
+fraction of the mean; otherwise blocks are placed one by one (`_assign`)."""
+
+
+def _window(weights: list[float]) -> list[list[int]]:
+    """cp 2: rank 1 holds the window of half the blocks [x, x + nb / 2), rank 0 the rest (its
+    two ends), x chosen so that the window holds half the work. Each rank holds at most two
+    runs of consecutive blocks, so a document is cut at most twice: its queries read few
+    runs of keys. x = nb / 4 is the static split."""
+    nb, half = len(weights), len(weights) // 2
+    total, inside = sum(weights), sum(weights[:half])
+    best, best_gap = 0, abs(2 * inside - total)
+    for x in range(1, half + 1):  # slide the window one block
+        inside += weights[x + half - 1] - weights[x - 1]
+        if abs(2 * inside - total) < best_gap:
+            best, best_gap = x, abs(2 * inside - total)
+    return [list(range(best)) + list(range(best + half, nb)), list(range(best, best + half))]
+
+
 def _static_blocks(num_blocks: int, cp: int) -> list[list[int]]:
     """The static split's blocks per rank (sequence.py: chunks r and 2cp - 1 - r)."""
     per_chunk = num_blocks // (2 * cp)
@@ -176,13 +200,18 @@ def place_blocks(
             + ("dynamic" if balance else "static_blocks")
         )
     per_block = token_work(seq_length, document_ids).view(-1, block_size).sum(1).tolist()
-    blocks = _assign(per_block, cp) if balance else _static_blocks(len(per_block), cp)
+    if not balance:
+        blocks = _static_blocks(len(per_block), cp)
+    else:
+        blocks = _window(per_block) if cp == 2 else None
+        if blocks is None or imbalance(_loads(per_block, blocks)) > WINDOW_SLACK:
+            blocks = _assign(per_block, cp)
     first = last = None
     if document_ids is not None:
         tiles = document_ids.cpu().view(document_ids.shape[0], -1, block_size)  # [b, nb, N]
         first, last = tiles[..., 0], tiles[..., -1]
     kinds = block_kinds(len(per_block), first, last)
-    work = tuple(sum(per_block[i] for i in held) for held in blocks)
+    work = tuple(_loads(per_block, blocks))
     return BlockPlacement(block_size, tuple(tuple(b) for b in blocks), work, kinds)
 
 
