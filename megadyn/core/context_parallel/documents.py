@@ -102,14 +102,10 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def documents_forward(forward, q, k, v, scale: float, rects: list[Rect], into=None):
-    """Output [b, n, sq, d] and log-sum-exp [b, n, sq] of q over k, v within `rects`; merged
-    into `into` (out, lse) where given."""
-    if into is None:
-        out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    else:
-        out, lse = into
+def documents_forward(forward, q, k, v, scale: float, rects: list[Rect]):
+    """Output [b, n, sq, d] and log-sum-exp [b, n, sq] of q over k, v within `rects`."""
+    out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for b, qs, qe, ks, ke, causal in rects:
         o, s = forward(q[b : b + 1, :, qs:qe], k[b : b + 1, :, ks:ke], v[b : b + 1, :, ks:ke],
                        causal, scale)  # fmt: skip
@@ -117,18 +113,12 @@ def documents_forward(forward, q, k, v, scale: float, rects: list[Rect], into=No
     return out, lse
 
 
-def documents_backward(
-    backward, dout, q, k, v, out, lse, scale: float, rects: list[Rect], into=None
-):
+def documents_backward(backward, dout, q, k, v, out, lse, scale: float, rects: list[Rect]):
     """Gradients of q, k, v (accumulation precision) within `rects`, given the final `out`
-    and `lse` of q's rows and the gradient `dout` of `out`; added into `into` (dq, dk, dv)
-    where given."""
-    if into is None:
-        dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
-        dk = torch.zeros(k.shape, dtype=_acc_dtype(k), device=k.device)
-        dv = torch.zeros(v.shape, dtype=_acc_dtype(v), device=v.device)
-    else:
-        dq, dk, dv = into
+    and `lse` of q's rows and the gradient `dout` of `out`."""
+    dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    dk = torch.zeros(k.shape, dtype=_acc_dtype(k), device=k.device)
+    dv = torch.zeros(v.shape, dtype=_acc_dtype(v), device=v.device)
     for b, qs, qe, ks, ke, causal in rects:
         rows, cols = (slice(b, b + 1), slice(None), slice(qs, qe)), (slice(b, b + 1), slice(None), slice(ks, ke))  # fmt: skip
         g_q, g_k, g_v = backward(dout[rows], q[rows], k[cols], v[cols], out[rows], lse[rows],

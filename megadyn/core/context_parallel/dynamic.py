@@ -25,12 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megadyn.core.context_parallel.documents import (
-    documents_backward,
-    documents_forward,
-    packed,
-)
-from megadyn.core.context_parallel.kernels import fused_kernels
+from megadyn.core.context_parallel.documents import packed
 from megadyn.core.context_parallel.placement import BlockPlacement
 from megadyn.core.context_parallel.varlen import (
     VarlenPlan,
@@ -87,12 +82,8 @@ class _Route:
     receives: dict
     """{peer: sequence positions of the blocks received from it}."""
     parts: tuple
-    """(segments on the rank's own keys, the rest), each one varlen call (_Part) or None;
-    the first runs while the received blocks are in flight."""
-    rects: tuple
-    """The same two parts as documents.py's rectangles (local query rows x sequence
-    positions of keys): per segment its keys before its queries (wholly visible) and its
-    own square (causal), for the fused kernels' path."""
+    """(segments on the rank's own keys, the rest): _Part or None each; the first call runs
+    while the received blocks are in flight."""
 
 
 def _segments(placement: BlockPlacement, rank: int, ids: torch.Tensor):
@@ -113,27 +104,21 @@ def _segments(placement: BlockPlacement, rank: int, ids: torch.Tensor):
             yield row, a, e, doc_start[row, pos[a]].item(), pos[e - 1].item() + 1
 
 
-def _route(placement: BlockPlacement, rank: int, ids, batch: int, device, fused) -> _Route:
-    """The rank's route (see _Route); `ids` [b, S] on the host, or None (one document); the
-    varlen parts only without `fused` kernels."""
+def _route(placement: BlockPlacement, rank: int, ids, batch: int, device) -> _Route:
+    """The rank's route (see _Route); `ids` [b, S] on the host, or None (one document)."""
     n = placement.block_size
     seq, local = placement.kinds.shape[0] * n, placement.token_index(rank).numel()
     if ids is None:
         ids = torch.zeros(batch, seq, dtype=torch.long)
     own = set(placement.blocks[rank])
     split = ([], []), ([], [])  # per part: (segments, their query rows)
-    rects = [], []
     for row, a, e, first, last in _segments(placement, rank, ids):
         remote = any(k not in own for k in range(first // n, (last - 1) // n + 1))
         split[remote][0].append((e - a, last - first, row * seq + first))
         split[remote][1].append(torch.arange(row * local + a, row * local + e))
-        mine = last - (e - a)  # the sequence position of the run's first token
-        if first < mine:
-            rects[remote].append((row, a, e, first, mine, False))
-        rects[remote].append((row, a, e, mine, last, True))
     parts = []
     for segments, rows in split:
-        if not segments or fused:
+        if not segments:
             parts.append(None)
             continue
         keys = torch.cat([torch.arange(f, f + lk) for _, lk, f in segments])
@@ -147,7 +132,6 @@ def _route(placement: BlockPlacement, rank: int, ids, batch: int, device, fused)
         {p: _positions([slot[k] for k in blocks], n).to(device) for p, blocks in sends.items()},
         {p: _positions(blocks, n).to(device) for p, blocks in receives.items()},
         tuple(parts),
-        rects,
     )
 
 
@@ -189,24 +173,14 @@ def _fill(whole: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor) ->
     whole.index_copy_(2, positions, blocks.transpose(2, 3))
 
 
-def _keys(whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values [b, g, S, d] of whole [2, b, S, g, d] (strided views)."""
-    return whole[0].transpose(1, 2), whole[1].transpose(1, 2)
-
-
 class _DynamicAttention(torch.autograd.Function):
-    """The rank's segments through the fused kernels once per rectangle (documents.py; cuDNN
-    on Hopper), or through one varlen call per part (varlen.py: the math per segment where no
-    fused kernel runs)."""
-
     @staticmethod
     def forward(ctx, q, k, v, group, placement, document_ids, scale, kernel):
         rank, (b, heads, s, d) = dist.get_rank(group), q.shape
-        fused = fused_kernels(q, kernel)
-        key = ("route", rank, b, q.device, fused is None)  # the same in every layer
+        key = ("route", rank, b, q.device)  # the same in every layer: once per micro batch
         if key not in placement.derived:
             host = None if document_ids is None else packed(document_ids).host
-            placement.derived[key] = _route(placement, rank, host, b, q.device, fused)
+            placement.derived[key] = _route(placement, rank, host, b, q.device)
         route = placement.derived[key]
         kv = torch.stack([k, v])  # [2, b, g, s, d]
         received = {p: _empty_blocks(kv, len(i)) for p, i in route.receives.items()}
@@ -214,97 +188,73 @@ class _DynamicAttention(torch.autograd.Function):
         pending = _start(group, messages, received)
         whole = kv.new_empty(2, b, route.seq, k.shape[1], d)
         _fill(whole, route.own, kv)
-        if fused:
-            acc = torch.promote_types(q.dtype, torch.float32)
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
-            lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-            saved = []
-        else:
-            qt, out = _tokens_first(q), torch.empty(b * s, heads, d, dtype=q.dtype, device=q.device)
-            saved = []
-        for i in (0, 1):  # own keys first, while the received blocks are in flight
+        qt, out = _tokens_first(q), torch.empty(b * s, heads, d, dtype=q.dtype, device=q.device)
+        saved = []
+        for i, part in enumerate(route.parts):  # own keys first, the received ones in flight
             if i == 1:
                 _wait(pending)
                 for p, positions in route.receives.items():
                     _fill(whole, positions, received[p])
-            if fused:
-                documents_forward(fused[0], q, *_keys(whole), scale, route.rects[i], (out, lse))
-            elif route.parts[i] is None:
+            if part is None:
                 saved.append(())
             else:
-                part = route.parts[i]
                 flat = whole.view(2, b * route.seq, -1, d)
                 keys, values = flat.index_select(1, part.plan.key_index)
                 o, aux = varlen_forward(qt[part.rows], keys, values, part.plan, scale, kernel)
                 out.index_copy_(0, part.rows, o)
                 saved.append((o, *aux))
-        if fused:
-            out = out.to(q.dtype)
-            saved = [(out, lse)]
         ctx.save_for_backward(q, k, v, *(t for x in saved for t in x), *received.values())
         ctx.counts = [len(x) for x in saved]
-        ctx.route, ctx.group, ctx.fused = route, group, fused
+        ctx.n_saved, ctx.route, ctx.group = sum(ctx.counts), route, group
         ctx.scale, ctx.kernel = scale, kernel
-        return out if fused else out.view(b, s, heads, d).transpose(1, 2)
+        return out.view(b, s, heads, d).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, *rest = ctx.saved_tensors
-        route, group, fused, (b, heads, s, d) = ctx.route, ctx.group, ctx.fused, q.shape
-        n_saved = sum(ctx.counts)
-        saved, received = rest[:n_saved], dict(zip(route.receives, rest[n_saved:]))
+        route, group, (b, heads, s, d) = ctx.route, ctx.group, q.shape
+        saved, received = rest[: ctx.n_saved], dict(zip(route.receives, rest[ctx.n_saved :]))
         kv = torch.stack([k, v])
         whole = kv.new_empty(2, b, route.seq, k.shape[1], d)
         _fill(whole, route.own, kv)
         for p, positions in route.receives.items():
             _fill(whole, positions, received[p])
+        whole = whole.view(2, b * route.seq, -1, d)
         acc = torch.promote_types(q.dtype, torch.float32)
-        dwhole = torch.zeros(whole.shape, dtype=acc, device=q.device)  # [2, b, S, g, d]
-        if fused:
-            out, lse = saved
-            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-            into = (dq, *_keys(dwhole))
-        else:
-            qt, dout_t, dq = (
-                _tokens_first(q),
-                _tokens_first(dout),
-                torch.empty_like(_tokens_first(q)),
-            )
-            per_part, at = [], 0
-            for count in ctx.counts:  # each part's (output, aux...) as the forward saved them
-                per_part.append(saved[at : at + count])
-                at += count
+        dwhole = torch.zeros(whole.shape, dtype=acc, device=q.device)
+        qt, dout_t = _tokens_first(q), _tokens_first(dout)
+        dq = torch.empty_like(qt)
+        per_part, at = [], 0
+        for count in ctx.counts:  # each part's (output, aux...) as the forward saved them
+            per_part.append(saved[at : at + count])
+            at += count
         pending, returned = [], {}
         for i in (1, 0):  # the received keys' gradients go home while the own part runs
-            if fused:
-                documents_backward(
-                    fused[1], dout, q, *_keys(whole), out, lse, ctx.scale, route.rects[i], into
-                )
-            elif route.parts[i] is not None:
+            part = route.parts[i]
+            if part is not None:
                 o, *aux = per_part[i]
-                part = route.parts[i]
-                flat = whole.view(2, b * route.seq, -1, d)
-                keys, values = flat.index_select(1, part.plan.key_index)
+                keys, values = whole.index_select(1, part.plan.key_index)
                 rows, plan = part.rows, part.plan
                 dq_p, dk_p, dv_p = varlen_backward(
                     dout_t[rows], qt[rows], keys, values, o, aux, plan, ctx.scale, ctx.kernel
                 )
                 dq.index_copy_(0, rows, dq_p)
-                flat_grads = dwhole.view(2, b * route.seq, -1, d)
-                flat_grads[0].index_add_(0, plan.key_index, dk_p.to(acc))
-                flat_grads[1].index_add_(0, plan.key_index, dv_p.to(acc))
+                dwhole[0].index_add_(0, plan.key_index, dk_p.to(acc))
+                dwhole[1].index_add_(0, plan.key_index, dv_p.to(acc))
             if i == 1:
+                grads = dwhole.view(2, b, route.seq, -1, d)
                 messages = {  # in the inputs' dtype, as the ring sends them
-                    p: _blocks_of(dwhole.transpose(2, 3), 3, index, k.dtype)
+                    p: _blocks_of(grads.transpose(2, 3), 3, index, k.dtype)
                     for p, index in route.receives.items()
                 }
                 returned = {p: _empty_blocks(kv, len(r)) for p, r in route.sends.items()}
                 pending = _start(group, messages, returned)
-        dkv = dwhole.index_select(2, route.own).transpose(2, 3).contiguous()
+        dkv = dwhole.view(2, b, route.seq, -1, d).index_select(2, route.own).transpose(2, 3)
+        dkv = dkv.contiguous()
         _wait(pending)
         for p, rows in route.sends.items():
             dkv.index_add_(3, rows, returned[p].to(acc))
-        dq = dq.to(q.dtype) if fused else dq.view(b, s, heads, d).transpose(1, 2)
+        dq = dq.view(b, s, heads, d).transpose(1, 2)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
