@@ -24,18 +24,19 @@ def plan_of(runs, device="cpu") -> VarlenPlan:
     k_from = [starts[DOCS[a]] for a, _ in runs]
     k_len = [e - f for (_, e), f in zip(runs, k_from)]
     keys = torch.cat([torch.arange(f, e) for (_, e), f in zip(runs, k_from)])
-    return VarlenPlan.build(q_len, k_len, keys, device)
+    return VarlenPlan.build(q_len, k_len, device), keys.to(device)
 
 
-def packed_call(q, k, v, dout_rows, plan, kernel=None):
+def packed_call(q, k, v, dout_rows, planned, kernel=None):
     """(output rows, dq rows, dk and dv at every position) through varlen.py, fp32."""
+    plan, keys = planned
     rows = torch.cat([torch.arange(a, e) for a, e in RUNS]).to(q.device)
-    qp, kp, vp = q[rows], k[plan.key_index], v[plan.key_index]
+    qp, kp, vp = q[rows], k[keys], v[keys]
     scale = q.shape[-1] ** -0.5
     out, saved = varlen_forward(qp, kp, vp, plan, scale, kernel)
     dq, dk, dv = varlen_backward(dout_rows, qp, kp, vp, out, saved, plan, scale, kernel)
-    dk_all = torch.zeros(k.shape, device=k.device).index_add_(0, plan.key_index, dk.float())
-    dv_all = torch.zeros(v.shape, device=v.device).index_add_(0, plan.key_index, dv.float())
+    dk_all = torch.zeros(k.shape, device=k.device).index_add_(0, keys, dk.float())
+    dv_all = torch.zeros(v.shape, device=v.device).index_add_(0, keys, dv.float())
     return out.float(), dq.float(), dk_all, dv_all
 
 
@@ -59,7 +60,7 @@ def test_runs_over_their_documents_equal_the_dense_mask():
 
 def test_a_segment_needs_as_many_keys_as_queries():
     with pytest.raises(ValueError, match="fewer keys than queries"):
-        VarlenPlan.build([4], [3], torch.arange(3), "cpu")
+        VarlenPlan.build([4], [3], "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -1,7 +1,7 @@
 """Attention of packed query segments over packed key ranges in one kernel call: the call
 dynamic cp (dynamic.py) makes once per layer for all of a rank's queries.
 
-    plan = VarlenPlan.build(q_lengths, k_lengths, key_index, device)
+    plan = VarlenPlan.build(q_lengths, k_lengths, device)
     out, saved = varlen_forward(q, k, v, plan, scale)              # q [tq, n, d], k, v [tk, g, d]
     dq, dk, dv = varlen_backward(dout, q, k, v, out, saved, plan, scale)
 
@@ -39,11 +39,9 @@ class VarlenPlan:
     cu_q_dev: torch.Tensor
     cu_k_dev: torch.Tensor
     """The same, int32 where the attention runs (the flash kernel reads them there)."""
-    key_index: torch.Tensor
-    """[tk] int64: the position, in the caller's flattened keys, of each packed key."""
 
     @classmethod
-    def build(cls, q_lengths: list[int], k_lengths: list[int], key_index, device) -> VarlenPlan:
+    def build(cls, q_lengths: list[int], k_lengths: list[int], device) -> VarlenPlan:
         if any(lk < lq for lq, lk in zip(q_lengths, k_lengths)):
             raise ValueError("a varlen segment has fewer keys than queries")
         cu_q, cu_k = [0], [0]
@@ -54,7 +52,7 @@ class VarlenPlan:
         def dev(x):
             return torch.tensor(x, dtype=torch.int32, device=device)
 
-        return cls(cu_q, cu_k, dev(cu_q), dev(cu_k), key_index.to(device))
+        return cls(cu_q, cu_k, dev(cu_q), dev(cu_k))
 
     @property
     def max_q(self) -> int:
