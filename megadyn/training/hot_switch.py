@@ -75,6 +75,8 @@ class GroupStep:
     samples: int
     shortest: int
     longest: int
+    seconds: float = 0.0
+    """Its micro batches and gradient reduction (switches not included)."""
 
 
 @dataclass
@@ -90,7 +92,7 @@ class HotStep:
         """The metrics file's `dynamic_parallelism` record of the step."""
         groups = [
             dict(layout=f"tp{g.layout.tp}xdp{g.layout.dp}", samples=g.samples,
-                 shortest=g.shortest, longest=g.longest)
+                 shortest=g.shortest, longest=g.longest, seconds=g.seconds)
             for g in self.groups
         ]  # fmt: skip
         return dict(
@@ -103,7 +105,7 @@ class HotStep:
     def describe(self) -> str:
         parts = [
             f"{g.samples} samples of {g.shortest}-{g.longest} tokens under "
-            f"tp{g.layout.tp}xdp{g.layout.dp}"
+            f"tp{g.layout.tp}xdp{g.layout.dp} in {g.seconds * 1e3:.1f} ms"
             for g in self.groups
         ]
         return (
@@ -121,6 +123,13 @@ def planner_memory_gib(cfg: MegadynConfig, device: torch.device) -> float:
     if device.type == "cuda":  # what the allocator's fragmentation and the context leave
         return DEVICE_SHARE * torch.cuda.get_device_properties(device).total_memory / GiB
     return float("inf")
+
+
+def _synced_clock(device: torch.device) -> float:
+    """time.perf_counter() once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class HotSwitch:
@@ -194,7 +203,7 @@ class HotSwitch:
         indices = range(start, start + global_batch)
         lengths = [loader.sample_length(i) for i in indices]
         record = HotStep(trainer.state.iteration + 1)
-        shares = {}
+        shares, about = {}, {}
         for k, positions in enumerate(self.plan.assign(lengths)):
             if not positions:
                 continue
@@ -205,22 +214,22 @@ class HotSwitch:
             if g.tp_rank == 0:
                 self.drawn += mine
             group_lengths = [lengths[p] for p in positions]
-            record.groups.append(
-                GroupStep(g.layout, len(positions), min(group_lengths), max(group_lengths))
-            )
+            about[k] = (g.layout, len(positions), min(group_lengths), max(group_lengths))
         loader.consumed_samples = start + global_batch
         counted = sum(s.tokens for k, s in shares.items() if self._groups(k).tp_rank == 0)
         total = int(self._sum_over_members(counted))
         loss_sum = 0.0
         for k, step in shares.items():  # base first (the plan's order)
-            loss_sum += self._run_group(trainer, k, step.batches, total, record)
+            part, seconds = self._run_group(trainer, k, step.batches, total, record)
+            loss_sum += part
+            record.groups.append(GroupStep(*about[k], seconds))
         loss = self._sum_over_members(loss_sum)
         self.records.append(record)
         return torch.tensor(loss, device=trainer.device), total
 
-    def _run_group(self, trainer, k: int, batches, total: int, record: HotStep) -> float:
+    def _run_group(self, trainer, k: int, batches, total: int, record: HotStep):
         """One group's micro batches under its layout; returns this rank's part of the step's
-        loss (counted on tp rank 0)."""
+        loss (counted on tp rank 0) and the seconds they took."""
         other = self.others.get(k)
         g = self._groups(k)
         ddp = trainer.ddp if other is None else other.ddp
@@ -229,6 +238,7 @@ class HotSwitch:
             for d in ddp:
                 d.zero_grad_buffer()
         n, part = len(batches), 0.0
+        start = _synced_clock(trainer.device)
         if n:
             losses = forward_backward(
                 ddp,
@@ -245,18 +255,15 @@ class HotSwitch:
                     n * g.dp_size
                 )
         finalize_model_grads(ddp, g)  # a rank without micro batches still takes part
+        seconds = _synced_clock(trainer.device) - start
         if other is not None:
             self._timed(other.switch.grads_to_base, record, trainer.device)
-        return part
+        return part, seconds
 
     def _timed(self, move, record: HotStep, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        start = _synced_clock(device)
         move()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        record.switch_seconds += time.perf_counter() - start
+        record.switch_seconds += _synced_clock(device) - start
         record.switches += 1
 
     def _sum_over_members(self, value: float) -> float:

@@ -106,6 +106,8 @@ def test_hot_switching_equals_a_static_layout(corpus):
             assert [g.layout for g in record.groups] == [Layout(dp=4), Layout(tp=4)], record
             assert record.switches == 2 and record.groups[1].shortest > SHORT_BUDGET, record
             assert sum(g.samples for g in record.groups) == GBS
+            assert all(g.seconds > 0 for g in record.groups), record  # each group timed
+            assert " ms; " in record.describe().split("tp4xdp1 in ")[1], record.describe()
         np.testing.assert_allclose(r["tp_base"], results[0]["static"], rtol=1e-5, atol=1e-6)
         assert r["tp_base_plan"] == [Layout(dp=4)] and r["tp_base_switches"] == [2] * STEPS
     assert results[0]["moves_bit_equal"] == [True, True]
