@@ -12,7 +12,9 @@
 # First tools/bench_hot_switch.py times a switch's moves (weights dp 2 -> tp 2, gradients back)
 # by the all-gather path that training uses and by the reshard planner + executor, and checks
 # that both give bit-equal tensors (moves.jsonl). Then ITERS iterations of each row (default 8);
-# tokens/s is the median of the iteration lines after WARMUP (default 3). Writes
+# tokens/s is the tokens of the iterations after WARMUP (default 3) over their time: both rows
+# draw the same samples, whose lengths differ from step to step, so a median of per-iteration
+# rates would compare different steps (it overstated hot / static by up to 0.14). Writes
 # OUTDIR/moves.jsonl, results.jsonl, table.md, static.log, hot.log (with the per-step group and
 # switch lines) and the metrics files.
 # Usage: bash scripts/gpu/hot_switch.sh OUTDIR   (about 2.5 minutes on 2 x H100; at most 4:
@@ -80,12 +82,15 @@ import json, os, statistics, sys
 from megadyn.training.metrics_log import iterations, read_metrics
 path, row, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
 its = iterations(read_metrics(path)) if os.path.exists(path) else {}
-tps = [r["tokens_per_sec"] for i, r in its.items() if i > warmup]
+timed = [r for i, r in its.items() if i > warmup]
+tps = [r["tokens_per_sec"] for r in timed]
+seconds = sum(r["elapsed_ms"] for r in timed) / 1e3
 steps = [r for r in read_metrics(path) if r["record"] == "dynamic_parallelism"] if its else []
 switch_ms = [1e3 * r["switch_seconds"] for r in steps]
 print(json.dumps({
     "row": row, "iterations": len(its),
-    "tokens_per_s": statistics.median(tps) if tps else None,
+    "tokens_per_s": sum(t * r["elapsed_ms"] / 1e3 for t, r in zip(tps, timed)) / seconds if tps else None,
+    "median_tokens_per_s": statistics.median(tps) if tps else None,
     "iter_ms": statistics.median(r["elapsed_ms"] for i, r in its.items() if i > warmup) if tps else None,
     "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in its.values()) if its else None,
     "losses": [round(r["losses"]["lm loss"], 4) for r in its.values()],
@@ -98,10 +103,11 @@ grep -m1 " dynamic parallelism: tp" "$OUT/hot.log" | tee "$OUT/plan.txt"
 python3 - "$OUT/results.jsonl" <<'PY' | tee "$OUT/table.md"
 import json, sys
 rows = {r["row"]: r for r in map(json.loads, open(sys.argv[1]))}
-print("| layout | tokens/s (median) | iteration ms | peak GiB | switch ms/step (mean) | switches |")
+print("| layout | tokens/s (all timed steps) | iteration ms (median) | peak GiB | switch ms/step (mean) | switches |")
 print("|---|---|---|---|---|---|")
 for name, r in rows.items():
-    print(f"| {name} | {r['tokens_per_s']} | {r['iter_ms']} | {r['peak_mem_gib']} | {r['switch_ms_per_step']} | {r.get('switches')} |")
+    tps = r["tokens_per_s"] and round(r["tokens_per_s"])
+    print(f"| {name} | {tps} | {r['iter_ms']} | {r['peak_mem_gib']} | {r['switch_ms_per_step']} | {r.get('switches')} |")
 s, h = rows.get("static", {}).get("tokens_per_s"), rows.get("hot", {}).get("tokens_per_s")
 if s and h:
     print(f"\nhot / static tokens/s: {h / s:.2f}x (goal 1.3x)")
