@@ -10,8 +10,10 @@ on every rank. Two parts, each record appended to `--out`:
 
 - attention: one layer's attention of the reference model's shape (`--heads`, `--head-dim`),
   forward and backward, per sample and row: `ring` (--cp-placement static: the ring, whose
-  document-masked blocks run through the math kernels), `static_blocks` (the static split
-  computed as dynamic's blocks) and `dynamic` (the balanced placement). Each record has the
+  document-masked blocks run the fused kernel once per document), `static_blocks` (the static
+  split through dynamic cp's varlen calls) and `dynamic` (the balanced placement). The same
+  sample repeats, so the ring's per-shape kernel plans are built once here; in e2e every micro
+  batch brings new shapes. Each record has the
   median time (the slowest rank's), every rank's attention work (visible query/key pairs) and
   its imbalance (largest distance from the mean), and the key/value blocks each rank received
   (in units of its own: the ring's is cp - 1).

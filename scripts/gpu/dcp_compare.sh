@@ -5,8 +5,8 @@
 # the sample), cut at the sample's end (megadyn/bench/documents.py); the same samples for
 # every row. Blocks of 1024 tokens.
 #   1. attention of one layer (16 heads of 128), forward + backward, 3 samples: dynamic,
-#      static_blocks (the static split through the same block attention) and the ring
-#      (--cp-placement static, whose masked blocks run through the math kernels): times, each
+#      static_blocks (the static split through the same varlen calls) and the ring
+#      (--cp-placement static, whose masked blocks run cuDNN once per document): times, each
 #      rank's attention work and its imbalance, key/value blocks received
 #   2. training steps of the 1.42B model (24 layers, hidden 2048, 16 heads), seq 32768, cp 2,
 #      full recomputation, 2 micro batches per step: tokens/s per GPU for the same rows
