@@ -92,7 +92,7 @@ def _attention_fn(row: str, ids: torch.Tensor, c, group, device):
     received = []
     for r in range(cp):
         own = set(placement.blocks[r])
-        needed = {k for _, k, _ in placement.pairs(r) if k not in own}
+        needed = {k for _, k in placement.pairs(r) if k not in own}
         received.append(len(needed) / len(own))
     return (
         lambda q, k, v: dynamic_attention(q, k, v, group, placement, ids_dev),

@@ -5,7 +5,10 @@ The sequence of S tokens is cut into S / N blocks of N tokens (--cp-block-size).
 gets S / (N cp) blocks (the same number of tokens, so everything but attention is balanced
 by construction); which blocks is chosen from the work of each block's queries: the number of
 keys each query sees (causal, and within its document under --reset-attention-mask), summed
-over the block's tokens and the micro batch's samples. Blocks go, heaviest first, to the rank
+over the block's tokens and the micro batch's samples. At cp 2 the first choice is a window:
+rank 1 holds half the blocks in one run, rank 0 the two ends, the window slid until the work
+balances (within WINDOW_SLACK), so that a rank holds at most two runs of blocks and its
+queries read few runs of keys (dynamic.py). Otherwise blocks go, heaviest first, to the rank
 with the least work that still has room; then swaps between the heaviest and the lightest rank
 even out what is left. A rank holds its blocks in increasing order.
 
@@ -16,7 +19,7 @@ even out what is left. A rank holds its blocks in increasing order.
 
 The placement depends on the document ids alone (read on the CPU), so every cp rank computes
 the same one. `pairs` lists the (query block, key block) pairs that hold a visible
-query/key pair, with the kernel each needs; dynamic.py computes exactly these.
+query/key pair, with their kind; route.py exchanges the key blocks they read.
 """
 
 from __future__ import annotations
@@ -26,11 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from megadyn.core.context_parallel.sequence import SEQUENCE_KEYS, chunk_ids, local_positions
-
-FULL, CAUSAL, MASKED = "full", "causal", "masked"
-KINDS = (FULL, CAUSAL, MASKED)
-"""Kinds of block pair: every pair visible; causal only (a diagonal block in one document);
-masked element by element (documents)."""
 
 
 def token_work(seq_length: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,8 +67,8 @@ class BlockPlacement:
     """blocks[r]: the blocks cp rank r holds, increasing."""
     work: tuple[float, ...]
     """Attention work (visible query/key pairs) of each rank."""
-    kinds: torch.Tensor
-    """[S / N, S / N] int8: how query block q attends to key block k (`KINDS`; 0: not)."""
+    visible: torch.Tensor
+    """[S / N, S / N] bool: query block q sees some key of key block k."""
     _pairs: dict = field(default_factory=dict, compare=False, repr=False)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
     """What the attention derives from the placement (dynamic.py's segments), computed in the
@@ -80,6 +78,10 @@ class BlockPlacement:
     def cp(self) -> int:
         return len(self.blocks)
 
+    @property
+    def seq_length(self) -> int:
+        return self.visible.shape[0] * self.block_size
+
     def token_index(self, rank: int, device=None) -> torch.Tensor:
         """Positions [S / cp] of the tokens `rank` holds, in its local order."""
         n = self.block_size
@@ -87,15 +89,12 @@ class BlockPlacement:
             [torch.arange(i * n, (i + 1) * n, device=device) for i in self.blocks[rank]]
         )
 
-    def pairs(self, rank: int) -> list[tuple[int, int, str]]:
-        """(local query block, key block, kind) that `rank` computes: each of its query blocks
-        with every key block holding a visible pair, in increasing order (computed once)."""
+    def pairs(self, rank: int) -> list[tuple[int, int]]:
+        """(local query block, key block) of `rank`: each of its query blocks with every key
+        block holding a visible pair, in increasing order (computed once)."""
         if rank not in self._pairs:
-            rows = self.kinds[list(self.blocks[rank])]  # [own blocks, S / N]
-            i, k = rows.nonzero(as_tuple=True)
-            kinds = rows[i, k].tolist()
-            pairs = zip(i.tolist(), k.tolist(), kinds)
-            self._pairs[rank] = [(a, b, KINDS[c - 1]) for a, b, c in pairs]
+            i, k = self.visible[list(self.blocks[rank])].nonzero(as_tuple=True)
+            self._pairs[rank] = list(zip(i.tolist(), k.tolist()))
         return self._pairs[rank]
 
 
@@ -103,27 +102,16 @@ def _loads(weights: list[float], blocks: list[list[int]]) -> list[float]:
     return [sum(weights[i] for i in held) for held in blocks]
 
 
-def block_kinds(num_blocks: int, first=None, last=None) -> torch.Tensor:
-    """[nb, nb] int8 kinds of every (query block, key block) pair, from each block's first and
+def block_visibility(num_blocks: int, first=None, last=None) -> torch.Tensor:
+    """[nb, nb] bool: query block q sees some key of key block k, from each block's first and
     last document id [b, nb] (None: causal over the whole sequence). Ids grow along a sample,
     so an earlier key block shares a document with a query block iff its last id is the query
-    block's first, and is wholly visible iff its first id is the query block's last."""
+    block's first; a block always sees itself."""
     index = torch.arange(num_blocks)
     below = index.unsqueeze(1) > index.unsqueeze(0)  # [q, k]: key block earlier
-    diagonal = torch.eye(num_blocks, dtype=torch.bool)
-    if first is None:
-        visible, full, one_doc = below, below, torch.ones(num_blocks, dtype=torch.bool)
-    else:
-        visible = below & (last.unsqueeze(1) == first.unsqueeze(2)).any(0)
-        full = below & (first.unsqueeze(1) == last.unsqueeze(2)).all(0)
-        one_doc = (first == last).all(0)  # [nb]: the diagonal block needs no document mask
-    kinds = torch.zeros(num_blocks, num_blocks, dtype=torch.int8)
-    kinds[visible] = KINDS.index(MASKED) + 1
-    kinds[full] = KINDS.index(FULL) + 1
-    kinds[diagonal] = torch.where(one_doc, KINDS.index(CAUSAL) + 1, KINDS.index(MASKED) + 1).to(
-        torch.int8
-    )
-    return kinds
+    if first is not None:
+        below = below & (last.unsqueeze(1) == first.unsqueeze(2)).any(0)
+    return below | torch.eye(num_blocks, dtype=torch.bool)
 
 
 def _assign(weights: list[float], cp: int) -> list[list[int]]:
@@ -210,9 +198,9 @@ def place_blocks(
     if document_ids is not None:
         tiles = document_ids.cpu().view(document_ids.shape[0], -1, block_size)  # [b, nb, N]
         first, last = tiles[..., 0], tiles[..., -1]
-    kinds = block_kinds(len(per_block), first, last)
+    visible = block_visibility(len(per_block), first, last)
     work = tuple(_loads(per_block, blocks))
-    return BlockPlacement(block_size, tuple(tuple(b) for b in blocks), work, kinds)
+    return BlockPlacement(block_size, tuple(tuple(b) for b in blocks), work, visible)
 
 
 def split_batch_dynamic(

@@ -81,7 +81,7 @@ class Route:
 def _needs(placement: BlockPlacement, rank: int) -> list[int]:
     """Key blocks of other ranks that `rank`'s pairs read, increasing."""
     own = set(placement.blocks[rank])
-    return sorted({k for _, k, _ in placement.pairs(rank) if k not in own})
+    return sorted({k for _, k in placement.pairs(rank) if k not in own})
 
 
 def _exchange(placement: BlockPlacement, rank: int):
@@ -120,7 +120,7 @@ def derive_route(placement: BlockPlacement, rank: int, ids, batch: int, device) 
     """`rank`'s route; `ids` [b, S] on the host, or None (one document: causal over the
     whole sequence)."""
     n, held = placement.block_size, placement.blocks[rank]
-    seq, local = placement.kinds.shape[0] * n, len(held) * n
+    seq, local = placement.seq_length, len(held) * n
     if ids is None:
         ids = torch.zeros(batch, seq, dtype=torch.long)
     own = set(held)
