@@ -106,18 +106,18 @@ class _DynamicAttention(torch.autograd.Function):
             keys, values = take(whole.view(2, b * route.seq, -1, d), 1, part.keys)
             o, aux = varlen_forward(take(qt, 0, part.rows), keys, values, part.plan, scale, kernel)
             put(out, 0, part.rows, o)
-            saved.append((o, *aux))
-        ctx.save_for_backward(q, k, v, *(t for x in saved for t in x), *received.values())
+            saved.append(aux)
+        ctx.save_for_backward(q, k, v, out, *(t for x in saved for t in x), *received.values())
         ctx.counts, ctx.route, ctx.group = [len(x) for x in saved], route, group
         ctx.scale, ctx.kernel = scale, kernel
         return out.view(b, s, heads, d).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, *rest = ctx.saved_tensors
+        q, k, v, out, *rest = ctx.saved_tensors
         route, group, (b, heads, s, d) = ctx.route, ctx.group, q.shape
         per_part, at = [], 0
-        for count in ctx.counts:  # each part's (output, aux...) as the forward saved them
+        for count in ctx.counts:  # each part's kernel state as the forward saved it
             per_part.append(rest[at : at + count])
             at += count
         received = dict(zip(route.receives, rest[at:]))
@@ -131,11 +131,11 @@ class _DynamicAttention(torch.autograd.Function):
         for i in (1, 0):  # the received keys' gradients go home while the own part runs
             part = route.parts[i]
             if part is not None:
-                o, *aux = per_part[i]
                 keys, values = take(whole, 1, part.keys)
+                rows = part.rows
                 dq_p, dk_p, dv_p = varlen_backward(
-                    take(dout_t, 0, part.rows), take(qt, 0, part.rows), keys, values, o, aux,
-                    part.plan, ctx.scale, ctx.kernel,
+                    take(dout_t, 0, rows), take(qt, 0, rows), keys, values, take(out, 0, rows),
+                    per_part[i], part.plan, ctx.scale, ctx.kernel,
                 )  # fmt: skip
                 put(dq, 0, part.rows, dq_p)
                 put(dwhole[0], 0, part.keys, dk_p, add=True)
