@@ -23,10 +23,10 @@ def test_runs_merge_and_move_like_index_ops():
 
 def test_segments_cover_each_query_once_over_their_documents_keys():
     """Documents of 5, 9 and 18 tokens, blocks of 4, cp 2 (blocks placed one by one, both
-    parts on both ranks): every local query row
-    is in one segment; a segment's keys end at its last query and start at its document's
-    start; the parts split by whether another rank holds some of those keys, and the
-    exchange sends exactly the blocks the second part reads."""
+    parts on both ranks): every local query row is in one segment; a segment's keys end at
+    its last query and start at its document's start; the parts split by whether another
+    rank holds some of those keys, and the exchange sends exactly the blocks the second part
+    reads."""
     seq, block = 32, 4
     ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 18])
     placement = place_blocks(seq, block, 2, ids)
