@@ -5,6 +5,8 @@ received, pending = ring.start(kv)    # send to the next cp rank, receive from t
 ...                                   # compute while the exchange runs
 ring.wait(pending)
 pending = ring.exchange([a, b], to, [a_in, b_in], source)   # any pair of cp ranks
+pending = exchange(cp_group, {1: [a]}, {1: [a_in], 2: [b_in]})  # several peers at once
+wait(pending)
 
 total = all_reduce_sum(local, cp_group)   # differentiable: backward all-reduces too
 """
@@ -32,18 +34,34 @@ class RingExchange:
 
     def exchange(self, sends: list, to: int, receives: list, source: int) -> list:
         """Start sending the tensors `sends` to cp rank `to` and receiving `receives` from cp
-        rank `source` (every rank calls it with matching pairs); returns the pending work,
-        which holds the sent tensors until it is waited on."""
-        to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
-        sends = [t.contiguous() for t in sends]
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in receives]
-        return dist.batch_isend_irecv(ops) + [_Held(sends)]
+        rank `source` (every rank calls it with matching pairs); the pending work."""
+        return exchange(self.group, {to: sends}, {source: receives})
 
     @staticmethod
     def wait(pending: list) -> None:
-        for work in pending:
-            work.wait()
+        wait(pending)
+
+
+def exchange(group, sends: dict, receives: dict) -> list:
+    """Start sending the tensors sends[r] to cp rank r and receiving receives[r] from cp rank
+    r, for every r, in one batch (every rank calls it with matching pairs); returns the
+    pending work, which holds the sent tensors until it is waited on."""
+    ops, held = [], []
+    for r, tensors in sends.items():
+        peer = dist.get_global_rank(group, r)
+        for t in tensors:
+            held.append(t.contiguous())
+            ops.append(dist.P2POp(dist.isend, held[-1], peer, group))
+    for r, tensors in receives.items():
+        peer = dist.get_global_rank(group, r)
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for t in tensors]
+    return (dist.batch_isend_irecv(ops) if ops else []) + [_Held(held)]
+
+
+def wait(pending: list) -> None:
+    """Wait on the pending work of `exchange`."""
+    for work in pending:
+        work.wait()
 
 
 class _Held:

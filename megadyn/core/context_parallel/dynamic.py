@@ -26,27 +26,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megadyn.core.context_parallel.comm import exchange, wait
 from megadyn.core.context_parallel.documents import packed
 from megadyn.core.context_parallel.placement import BlockPlacement
 from megadyn.core.context_parallel.route import Route, derive_route, put, take
 from megadyn.core.context_parallel.varlen import varlen_backward, varlen_forward
 
 
-def _start(group, messages: dict, buffers: dict) -> list:
-    """Send `messages` and receive into `buffers` ({peer: tensor} each); pending work."""
-    ops = [
-        dist.P2POp(dist.isend, m, dist.get_global_rank(group, p), group)
-        for p, m in messages.items()
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group) for p, b in buffers.items()
-    ]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(pending: list) -> None:
-    for work in pending:
-        work.wait()
+def _one_each(tensors: dict) -> dict:
+    """{peer: tensor} as comm.exchange takes it ({peer: [tensors]})."""
+    return {p: [t] for p, t in tensors.items()}
 
 
 def _tokens(runs) -> int:
@@ -92,13 +81,13 @@ class _DynamicAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # [2, b, g, s, d]
         received = {p: _empty_blocks(kv, runs) for p, runs in route.receives.items()}
         messages = {p: take(kv, 3, runs) for p, runs in route.sends.items()}
-        pending = _start(group, messages, received)
+        pending = exchange(group, _one_each(messages), _one_each(received))
         whole = _whole(kv, route, None)
         qt, out = _tokens_first(q), q.new_empty(b * s, heads, d)
         saved = []
         for i, part in enumerate(route.parts):  # own keys first, the received ones in flight
             if i == 1:
-                _wait(pending)
+                wait(pending)
                 _fill_received(whole, route, received)
             if part is None:
                 saved.append(())
@@ -146,10 +135,10 @@ class _DynamicAttention(torch.autograd.Function):
                     p: take(grads, 3, runs).to(k.dtype) for p, runs in route.receives.items()
                 }
                 returned = {p: _empty_blocks(kv, runs) for p, runs in route.sends.items()}
-                pending = _start(group, messages, returned)
+                pending = exchange(group, _one_each(messages), _one_each(returned))
         dkv = take(dwhole.view(2, b, route.seq, -1, d), 2, route.own).transpose(2, 3)
         dkv = dkv.contiguous()
-        _wait(pending)
+        wait(pending)
         for p, runs in route.sends.items():
             put(dkv, 3, runs, returned[p], add=True)
         dq = dq.view(b, s, heads, d).transpose(1, 2)
