@@ -105,21 +105,18 @@ def accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
     """main_grad += grad; on CUDA a large gradient in a narrower dtype goes into the fp32 buffer
     by one vectorized pass (grad_kernels.py), the same bits as `add_`."""
     if (
-        _triton_adds(grad, main_grad)
+        grad.is_cuda
+        and main_grad.dtype == torch.float32
+        and grad.dtype != main_grad.dtype
         and grad.numel() >= TRITON_ADD_MIN
         and grad.is_contiguous()
-        and grad.dtype != main_grad.dtype
+        and main_grad.is_contiguous()
     ):
         from megadyn.core.tensor_parallel.grad_kernels import add_into
 
         add_into(main_grad, grad)
     else:
         main_grad.add_(grad)
-
-
-def _triton_adds(grad: torch.Tensor, main_grad: torch.Tensor) -> bool:
-    """Whether grad_kernels.py adds `grad` into `main_grad`: CUDA, an fp32 contiguous buffer."""
-    return grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
 
 
 def _added(weight) -> torch.Tensor:
