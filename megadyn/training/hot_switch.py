@@ -125,11 +125,38 @@ def planner_memory_gib(cfg: MegadynConfig, device: torch.device) -> float:
     return float("inf")
 
 
-def _synced_clock(device: torch.device) -> float:
-    """time.perf_counter() once the device's queued work is done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class _Interval:
+    """The time from its creation to `stop()`: on CUDA between two events on the current
+    stream (the step never waits on the host for it), read once the step's work is queued;
+    elsewhere the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.begin.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def stop(self) -> _Interval:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1e3
+        return self.end - self.begin
+
+
+def _timed(move, device: torch.device) -> _Interval:
+    """Run `move` (a switch); its _Interval."""
+    interval = _Interval(device)
+    move()
+    return interval.stop()
 
 
 class HotSwitch:
@@ -218,27 +245,30 @@ class HotSwitch:
         loader.consumed_samples = start + global_batch
         counted = sum(s.tokens for k, s in shares.items() if self._groups(k).tp_rank == 0)
         total = int(self._sum_over_members(counted))
-        loss_sum = 0.0
+        loss_sum, timed, switches = 0.0, [], []
         for k, step in shares.items():  # base first (the plan's order)
-            part, seconds = self._run_group(trainer, k, step.batches, total, record)
+            part, interval = self._run_group(trainer, k, step.batches, total, switches)
             loss_sum += part
-            record.groups.append(GroupStep(*about[k], seconds))
+            timed.append((about[k], interval))
         loss = self._sum_over_members(loss_sum)
+        record.groups = [GroupStep(*group, interval.seconds()) for group, interval in timed]
+        record.switches = len(switches)
+        record.switch_seconds = sum(interval.seconds() for interval in switches)
         self.records.append(record)
         return torch.tensor(loss, device=trainer.device), total
 
-    def _run_group(self, trainer, k: int, batches, total: int, record: HotStep):
+    def _run_group(self, trainer, k: int, batches, total: int, switches: list):
         """One group's micro batches under its layout; returns this rank's part of the step's
-        loss (counted on tp rank 0) and the seconds they took."""
+        loss (counted on tp rank 0) and their _Interval; the switches' go into `switches`."""
         other = self.others.get(k)
         g = self._groups(k)
         ddp = trainer.ddp if other is None else other.ddp
         if other is not None:
-            self._timed(other.switch.weights_to_other, record, trainer.device)
+            switches.append(_timed(other.switch.weights_to_other, trainer.device))
             for d in ddp:
                 d.zero_grad_buffer()
         n, part = len(batches), 0.0
-        start = _synced_clock(trainer.device)
+        interval = _Interval(trainer.device)
         if n:
             losses = forward_backward(
                 ddp,
@@ -255,16 +285,10 @@ class HotSwitch:
                     n * g.dp_size
                 )
         finalize_model_grads(ddp, g)  # a rank without micro batches still takes part
-        seconds = _synced_clock(trainer.device) - start
+        interval.stop()
         if other is not None:
-            self._timed(other.switch.grads_to_base, record, trainer.device)
-        return part, seconds
-
-    def _timed(self, move, record: HotStep, device: torch.device) -> None:
-        start = _synced_clock(device)
-        move()
-        record.switch_seconds += _synced_clock(device) - start
-        record.switches += 1
+            switches.append(_timed(other.switch.grads_to_base, trainer.device))
+        return part, interval
 
     def _sum_over_members(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
