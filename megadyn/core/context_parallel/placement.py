@@ -69,10 +69,9 @@ class BlockPlacement:
     """Attention work (visible query/key pairs) of each rank."""
     visible: torch.Tensor
     """[S / N, S / N] bool: query block q sees some key of key block k."""
-    _pairs: dict = field(default_factory=dict, compare=False, repr=False)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
-    """What the attention derives from the placement (dynamic.py's segments), computed in the
-    first layer and kept for the micro batch the placement belongs to."""
+    """What is derived from the placement (its pairs, route.py's routes), computed at the
+    first use and kept for the micro batch the placement belongs to."""
 
     @property
     def cp(self) -> int:
@@ -92,10 +91,11 @@ class BlockPlacement:
     def pairs(self, rank: int) -> list[tuple[int, int]]:
         """(local query block, key block) of `rank`: each of its query blocks with every key
         block holding a visible pair, in increasing order (computed once)."""
-        if rank not in self._pairs:
+        key = ("pairs", rank)
+        if key not in self.derived:
             i, k = self.visible[list(self.blocks[rank])].nonzero(as_tuple=True)
-            self._pairs[rank] = list(zip(i.tolist(), k.tolist()))
-        return self._pairs[rank]
+            self.derived[key] = list(zip(i.tolist(), k.tolist()))
+        return self.derived[key]
 
 
 def _loads(weights: list[float], blocks: list[list[int]]) -> list[float]:
