@@ -95,7 +95,7 @@ def _attention_fn(row: str, ids: torch.Tensor, c, group, device):
         needed = {k for _, k in placement.pairs(r) if k not in own}
         received.append(len(needed) / len(own))
     return (
-        lambda q, k, v: dynamic_attention(q, k, v, group, placement, ids_dev),
+        lambda q, k, v: dynamic_attention(q, k, v, group, placement),
         list(placement.work),
         received,
     )

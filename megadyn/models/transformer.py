@@ -127,7 +127,7 @@ class SelfAttention(nn.Module):
                     raise ValueError("--attention-dropout must be 0 with --cp-placement dynamic")
                 kernel = kernel_for_backend(self.cfg.attention_backend)
                 return dynamic_attention(
-                    q, k, v, self.cp_group, documents.cp_placement, ids, kernel=kernel
+                    q, k, v, self.cp_group, documents.cp_placement, kernel=kernel
                 )
             with fork or contextlib.nullcontext():  # the cp masks' seed (context_parallel/)
                 return context_parallel_attention(

@@ -128,7 +128,7 @@ def check_attention_kernels(rank, world) -> None:
     index = placement.token_index(rank)
     for kernel in ("math", "flash"):
         mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = dynamic_attention(*mine, dist.group.WORLD, placement, ids, kernel=kernel)
+        out = dynamic_attention(*mine, dist.group.WORLD, placement, kernel=kernel)
         out.backward(grad[:, :, index])
         assert_rel(out, ref[:, :, index], f"{kernel} out")
         for name, t, r in zip("qkv", mine, full):

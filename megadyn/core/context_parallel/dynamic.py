@@ -2,7 +2,7 @@
 receives only the key/value blocks its queries read from the ranks that hold them, and
 computes its queries' attention in varlen kernel calls (varlen.py).
 
-    out = dynamic_attention(q, k, v, cp_group, placement, document_ids)   # q [b, n, s, d]
+    out = dynamic_attention(q, k, v, cp_group, placement)   # q [b, n, s, d]
 
 The rank's queries are cut into segments (route.py): runs of tokens consecutive in the
 sequence and of one document, each over its document's keys from the start to the run's end
@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.context_parallel.comm import exchange, wait
-from megadyn.core.context_parallel.documents import packed
 from megadyn.core.context_parallel.placement import BlockPlacement
 from megadyn.core.context_parallel.route import Route, derive_route, put, take
 from megadyn.core.context_parallel.varlen import varlen_backward, varlen_forward
@@ -71,12 +70,12 @@ def _fill_received(whole: torch.Tensor, route: Route, received: dict) -> None:
 
 class _DynamicAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, placement, document_ids, scale, kernel):
+    def forward(ctx, q, k, v, group, placement, scale, kernel):
         rank, (b, heads, s, d) = dist.get_rank(group), q.shape
         key = ("route", rank, b, q.device)  # the same in every layer: once per micro batch
         if key not in placement.derived:
-            host = None if document_ids is None else packed(document_ids).host
-            placement.derived[key] = derive_route(placement, rank, host, b, q.device)
+            ids = placement.document_ids  # on the host: no read from the device
+            placement.derived[key] = derive_route(placement, rank, ids, b, q.device)
         route = placement.derived[key]
         kv = torch.stack([k, v])  # [2, b, g, s, d]
         received = {p: _empty_blocks(kv, runs) for p, runs in route.receives.items()}
@@ -142,15 +141,12 @@ class _DynamicAttention(torch.autograd.Function):
         for p, runs in route.sends.items():
             put(dkv, 3, runs, returned[p], add=True)
         dq = dq.view(b, s, heads, d).transpose(1, 2)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def dynamic_attention(
-    q, k, v, group, placement: BlockPlacement, document_ids=None, scale=None, kernel=None
-) -> torch.Tensor:
-    """Causal attention (within documents when `document_ids` [b, S], the whole sequence's,
-    or documents.py's PackedDocuments, is given) of this rank's queries q [b, n, s, d] over
-    the whole sequence, whose blocks of keys and values k, v [b, g, s, d] are spread over
-    `group` as `placement` says."""
+def dynamic_attention(q, k, v, group, placement: BlockPlacement, scale=None, kernel=None):
+    """Causal attention of this rank's queries q [b, n, s, d] over the whole sequence (within
+    documents when the placement was computed from document ids), whose blocks of keys and
+    values k, v [b, g, s, d] are spread over `group` as `placement` says."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _DynamicAttention.apply(q, k, v, group, placement, document_ids, scale, kernel)
+    return _DynamicAttention.apply(q, k, v, group, placement, scale, kernel)

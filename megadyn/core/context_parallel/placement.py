@@ -69,6 +69,8 @@ class BlockPlacement:
     """Attention work (visible query/key pairs) of each rank."""
     visible: torch.Tensor
     """[S / N, S / N] bool: query block q sees some key of key block k."""
+    document_ids: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """The ids [b, S] it was computed from, on the host (None: causal over the sequence)."""
     derived: dict = field(default_factory=dict, compare=False, repr=False)
     """What is derived from the placement (its pairs, route.py's routes), computed at the
     first use and kept for the micro batch the placement belongs to."""
@@ -196,11 +198,12 @@ def place_blocks(
             blocks = _assign(per_block, cp)
     first = last = None
     if document_ids is not None:
-        tiles = document_ids.cpu().view(document_ids.shape[0], -1, block_size)  # [b, nb, N]
+        document_ids = document_ids.cpu()
+        tiles = document_ids.view(document_ids.shape[0], -1, block_size)  # [b, nb, N]
         first, last = tiles[..., 0], tiles[..., -1]
     visible = block_visibility(len(per_block), first, last)
     work = tuple(_loads(per_block, blocks))
-    return BlockPlacement(block_size, tuple(tuple(b) for b in blocks), work, visible)
+    return BlockPlacement(block_size, tuple(tuple(b) for b in blocks), work, visible, document_ids)
 
 
 def split_batch_dynamic(
