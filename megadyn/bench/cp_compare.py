@@ -33,6 +33,7 @@ from megadyn.bench.torch_cp import run_torch_cp_bench
 ROWS = {  # name: megadyn/bench/gpt.py flags (world of 2); None: torch's context parallelism
     "cp2": ["--cp", "2"],
     "cp2_flash": ["--cp", "2", "--attention-backend", "flash"],  # the ring's flash blocks
+    "cp2_a2a": ["--cp", "2", "--cp-comm-type", "a2a"],  # heads for sequence, one kernel call
     "tp2": ["--tp", "2"],
     "tp2_sp": ["--tp", "2", "--sp"],
     "torch_cp2": None,
@@ -156,15 +157,17 @@ def summarize(path: str) -> str:
         )
     lines += [
         "",
-        "| seq | round | cp2 / tp2 | cp2 / tp2_sp | cp2 / torch_cp2 |",
-        "|---|---|---|---|---|",
+        "| seq | round | cp row | / tp2 | / tp2_sp | / torch_cp2 |",
+        "|---|---|---|---|---|---|",
     ]
     by = {(r["seq"], r["row"], r["round"]): r.get("tokens_per_s_per_gpu") for r in recs}
+    cp_rows = [row for row in ROWS if row.startswith("cp2") and any(r["row"] == row for r in recs)]
     for seq, rnd in sorted({(r["seq"], r["round"]) for r in recs if r["round"] >= 0}):
-        cp = by.get((seq, "cp2", rnd))
-        ratios = [
-            f"{cp / other:.3f}" if cp and other else "-"
-            for other in (by.get((seq, o, rnd)) for o in ("tp2", "tp2_sp", "torch_cp2"))
-        ]
-        lines.append(f"| {seq} | {rnd} | {' | '.join(ratios)} |")
+        for row in cp_rows:
+            cp = by.get((seq, row, rnd))
+            ratios = [
+                f"{cp / other:.3f}" if cp and other else "-"
+                for other in (by.get((seq, o, rnd)) for o in ("tp2", "tp2_sp", "torch_cp2"))
+            ]
+            lines.append(f"| {seq} | {rnd} | {row} | {' | '.join(ratios)} |")
     return "\n".join(lines)

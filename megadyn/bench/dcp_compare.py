@@ -11,12 +11,15 @@ on every rank. Two parts, each record appended to `--out`:
 - attention: one layer's attention of the reference model's shape (`--heads`, `--head-dim`),
   forward and backward, per sample and row: `ring` (--cp-placement static: the ring, whose
   document-masked blocks run the fused kernel once per document), `static_blocks` (the static
-  split through dynamic cp's varlen calls) and `dynamic` (the balanced placement). The same
+  split through dynamic cp's varlen calls), `dynamic` (the balanced placement) and `a2a`
+  (--cp-comm-type a2a: half the heads over the whole sequence, its document mask in one
+  flex_attention call, every rank's work equal by construction). The same
   sample repeats, so the ring's per-shape kernel plans are built once here; in e2e every micro
   batch brings new shapes. Each record has the
   median time (the slowest rank's), every rank's attention work (visible query/key pairs) and
   its imbalance (largest distance from the mean), and the key/value blocks each rank received
-  (in units of its own: the ring's is cp - 1).
+  (in units of its own: the ring's is cp - 1; a2a's (cp - 1) / cp, with as much of its
+  queries and output).
 - e2e: training steps of the reference GPT (megadyn/bench/gpt.py's flags after ours) at
   `--seq` with each of `--e2e-rows` placements: tokens/s per GPU.
 
@@ -37,10 +40,17 @@ import torch.distributed as dist
 from megadyn.bench.cp_compare import guarded
 from megadyn.bench.documents import document_lengths, skewed_document_ids
 from megadyn.bench.gpt import parse_args, run_gpt_bench
-from megadyn.core.context_parallel import dynamic_attention, kernel_for_backend, ring_attention
+from megadyn.core.context_parallel import (
+    dynamic_attention,
+    gather_heads,
+    kernel_for_backend,
+    ring_attention,
+    scatter_heads,
+)
 from megadyn.core.context_parallel.placement import imbalance, place_blocks, static_work
+from megadyn.models.document_attention import DocumentMask, document_attention
 
-ATTENTION_ROWS = ("dynamic", "static_blocks", "ring")
+ATTENTION_ROWS = ("dynamic", "static_blocks", "a2a", "ring")
 """In running order: the ring, which may run out of memory at 32k, last."""
 
 
@@ -57,7 +67,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(  # the ring (static), which may run out of memory at 32k, last
-        "--e2e-rows", nargs="*", default=["dynamic", "static_blocks", "static"]
+        "--e2e-rows", nargs="*", default=["dynamic", "static_blocks", "a2a", "static"]
     )
     p.add_argument("--e2e-iters", type=int, default=3)
     p.add_argument("--e2e-warmup", type=int, default=1)
@@ -88,6 +98,14 @@ def _attention_fn(row: str, ids: torch.Tensor, c, group, device):
             work,
             [cp - 1] * cp,  # in units of the rank's own keys and values
         )
+    if row == "a2a":
+        mask = DocumentMask.build(ids_dev)  # the whole sequence's, as without cp
+
+        def a2a(q, k, v):
+            return gather_heads(document_attention(*scatter_heads([q, k, v], group), mask), group)
+
+        equal = sum(static_work(c.seq, cp, ids)) / cp
+        return a2a, [equal] * cp, [(cp - 1) / cp] * cp
     placement = place_blocks(c.seq, c.block, cp, ids, balance=row == "dynamic")
     received = []
     for r in range(cp):
@@ -161,7 +179,10 @@ def e2e_records(c, device, emit, left) -> None:
         flags += ["--mbs", "1", "--gbs", str(max(1, c.tokens // c.seq))]
         flags += ["--iters", str(c.e2e_iters), "--warmup", str(c.e2e_warmup)]
         flags += ["--recompute", c.recompute, "--documents", c.documents]
-        flags += ["--cp-placement", row, "--cp-block-size", str(c.block)]
+        if row == "a2a":
+            flags += ["--cp-comm-type", "a2a"]
+        else:
+            flags += ["--cp-placement", row, "--cp-block-size", str(c.block)]
         a = parse_args(flags)
         result = guarded(device, run_gpt_bench, a, device)
         emit(dict(rec, **result))
@@ -208,8 +229,12 @@ def summarize(path: str) -> str:
             f"| {r['imbalance']:.1%} | {kv} |"
         )
     ms = {(r["sample"], r["row"]): r.get("ms") for r in att}
-    lines += ["", "| sample | ring / dynamic | static_blocks / dynamic |", "|---|---|---|"]
-    ratios: dict[str, list[float]] = {"ring": [], "static_blocks": []}
+    lines += [
+        "",
+        "| sample | ring / dynamic | static_blocks / dynamic | a2a / dynamic |",
+        "|---|---|---|---|",
+    ]
+    ratios: dict[str, list[float]] = {"ring": [], "static_blocks": [], "a2a": []}
     for sample in sorted({r["sample"] for r in att}):
         cells = []
         for other in ratios:

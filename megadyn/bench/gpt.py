@@ -52,7 +52,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sp", action="store_true", help="sequence parallel")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p")
+    p.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a"], default="p2p")
     p.add_argument(
         "--cp-placement", choices=["static", "dynamic", "static_blocks"], default="static"
     )

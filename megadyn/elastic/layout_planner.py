@@ -87,6 +87,18 @@ def memory_gib(
     return (params * per_param + activations + logits) / GiB
 
 
+def check_cp_heads(cfg: GPTConfig, layout: Layout) -> None:
+    """--cp-comm-type a2a gives each cp rank a share of the key/value heads of its tp rank:
+    a LayoutError unless cp divides them."""
+    groups = cfg.query_groups // layout.tp
+    if layout.cp > 1 and cfg.cp_comm_type == "a2a" and groups % layout.cp:
+        raise LayoutError(
+            f"--cp-comm-type a2a splits the key/value heads per tp rank ({groups}: "
+            f"--num-query-groups / --tensor-model-parallel-size) over --context-parallel-size "
+            f"({layout.cp}), which must divide them: use p2p or a smaller cp"
+        )
+
+
 def attention_flops(cfg: GPTConfig, batch_size: int, seq_length: int) -> float:
     """The part of `model_flops_per_iteration` that grows with the square of the sequence: the
     scores and their product with the values, 12 * B * s^2 * h per layer (forward + backward)."""
@@ -147,6 +159,10 @@ class CostModel:
         cp = layout.cp
         if cp == 1:
             return 0.0
+        if cfg.cp_comm_type == "a2a":  # q, k, v out and the output back, twice (fwd + bwd)
+            heads = cfg.num_attention_heads + 2 * cfg.query_groups
+            local = (seq // cp) * mbs * cfg.head_dim * heads // layout.tp  # elements
+            return 2 * 2 * 2 * local * (cp - 1) / cp / self.cp_bandwidth
         kv = 2 * (seq // cp) * mbs * cfg.head_dim * cfg.query_groups // layout.tp  # elements
         # causal: half the scores of attention_flops; a third forward, two thirds backward;
         # each rank's share of every ring step is 1 / (tp * cp * cp) of the layer's attention
@@ -229,6 +245,7 @@ class LayoutPlanner:
                         global_batch_size=self.gbs,
                         micro_batch_size=mbs,
                     )
+                    check_cp_heads(cfg, layout)
                 except LayoutError:
                     continue
                 if layout.vpp > 1 and (self.gbs // (mbs * layout.dp)) % layout.pp:

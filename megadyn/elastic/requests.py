@@ -19,7 +19,7 @@ from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError, canonical_members
 from megadyn.core.tensor_parallel.fp8 import check_fp8_shapes
 from megadyn.core.tensor_parallel.layers import vocab_range
-from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib
+from megadyn.elastic.layout_planner import LayoutPlanner, check_cp_heads, memory_gib
 from megadyn.elastic.records import Request
 
 
@@ -222,6 +222,7 @@ def validate_for(layout: Layout, model_cfg, cfg) -> None:
         global_batch_size=cfg.training.global_batch_size,
         micro_batch_size=cfg.training.micro_batch_size,
     )
+    check_cp_heads(model_cfg, layout)
     if model_cfg.fp8 is not None:
         tokens = cfg.training.micro_batch_size * cfg.data.seq_length // layout.cp
         try:

@@ -86,7 +86,9 @@ class GPTConfig:
     cp_comm_type: str = "p2p"
     """How attention reaches the keys and values of the other context-parallel ranks
     (--cp-comm-type, Megatron's names): 'p2p' (a ring of exchanges overlapped with blockwise
-    attention) or 'all_gather' (gather the whole sequence's keys and values once per layer)."""
+    attention), 'all_gather' (gather the whole sequence's keys and values once per layer) or
+    'a2a' (all-to-all: each rank attends over the whole sequence with 1/cp of the heads; the
+    key/value heads per tp rank must be a multiple of cp)."""
     cp_placement: str = "static"
     """Which tokens each context-parallel rank holds (--cp-placement): 'static' (two chunks per
     rank, an early and a late one) or 'dynamic' (per micro batch, blocks of --cp-block-size
@@ -123,7 +125,7 @@ class GPTConfig:
             ("activation", ("gelu", "swiglu")),
             ("attention_backend", ("auto", "flash", "fused", "unfused", "local")),
             ("tp_comm_overlap_transport", ("nccl", "copy-engine")),
-            ("cp_comm_type", ("p2p", "all_gather")),
+            ("cp_comm_type", ("p2p", "all_gather", "a2a")),
             ("cp_placement", ("static", "dynamic", "static_blocks")),
         ):
             if getattr(self, name) not in allowed:

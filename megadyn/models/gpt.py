@@ -218,7 +218,8 @@ class GPTModel(nn.Module):
         layers = list(self.decoder.layers.values())
         documents = None
         if document_ids is not None or cp_placement is not None:
-            cp = self.cp_group is not None
+            # under --cp-comm-type a2a each rank attends over the whole sequence, as without cp
+            cp = self.cp_group is not None and self.cfg.cp_comm_type != "a2a"
             documents = DocumentMask.build(document_ids, cp, cp_placement if cp else None)
         rope = self.rope(seq_len, x.device, position_ids, dynamic_cp=cp_placement is not None)
         x = run_layers(layers, x, self.recompute_cfg, self.tracker, rope=rope, documents=documents)

@@ -19,7 +19,9 @@ from torch import nn
 from megadyn.core.context_parallel import (
     context_parallel_attention,
     dynamic_attention,
+    gather_heads,
     kernel_for_backend,
+    scatter_heads,
 )
 from megadyn.core.recompute import RecomputeConfig, recompute
 from megadyn.core.tensor_parallel import (
@@ -120,31 +122,38 @@ class SelfAttention(nn.Module):
         p = self.cfg.attention_dropout if self.training else 0.0
         # under dropout the heads differ per tp rank: the tracker's per-rank stream
         fork = self.tracker.fork() if p > 0.0 and self.tracker is not None else None
-        if self.cp_group is not None:
-            ids = None if documents is None else documents.packed
-            if documents is not None and documents.cp_placement is not None:
-                if p > 0.0:
-                    raise ValueError("--attention-dropout must be 0 with --cp-placement dynamic")
-                kernel = kernel_for_backend(self.cfg.attention_backend)
-                return dynamic_attention(
-                    q, k, v, self.cp_group, documents.cp_placement, kernel=kernel
-                )
-            with fork or contextlib.nullcontext():  # the cp masks' seed (context_parallel/)
-                return context_parallel_attention(
-                    q,
-                    k,
-                    v,
-                    self.cp_group,
-                    self.cfg.cp_comm_type,
-                    document_ids=ids,
-                    backend=self.cfg.attention_backend,
-                    dropout_p=p,
-                )
+        if self.cp_group is None:
+            return self._whole_sequence(q, k, v, documents, p, fork)
+        if self.cfg.cp_comm_type == "a2a":  # heads for sequence, then attention as without cp
+            if p > 0.0:
+                raise ValueError("--attention-dropout must be 0 with --cp-comm-type a2a")
+            q, k, v = scatter_heads([q, k, v], self.cp_group)
+            return gather_heads(self._whole_sequence(q, k, v, documents), self.cp_group)
+        ids = None if documents is None else documents.packed
+        if documents is not None and documents.cp_placement is not None:
+            if p > 0.0:
+                raise ValueError("--attention-dropout must be 0 with --cp-placement dynamic")
+            kernel = kernel_for_backend(self.cfg.attention_backend)
+            return dynamic_attention(q, k, v, self.cp_group, documents.cp_placement, kernel=kernel)
+        with fork or contextlib.nullcontext():  # the cp masks' seed (context_parallel/)
+            return context_parallel_attention(
+                q,
+                k,
+                v,
+                self.cp_group,
+                self.cfg.cp_comm_type,
+                document_ids=ids,
+                backend=self.cfg.attention_backend,
+                dropout_p=p,
+            )
+
+    def _whole_sequence(self, q, k, v, documents, p: float = 0.0, fork=None):
+        """Attention over the whole sequence, held by this rank."""
         if documents is not None:
             if p > 0.0:
                 raise ValueError("--attention-dropout must be 0 with --reset-attention-mask")
             return document_attention(q, k, v, documents)
-        gqa = self.groups != self.heads
+        gqa = k.shape[1] != q.shape[1]
         with fork or contextlib.nullcontext(), attention_kernels(self.cfg.attention_backend, q):
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa

@@ -124,7 +124,7 @@ def _add_network_args(p: argparse.ArgumentParser) -> None:
     m("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", action="store_false")
     m("--tp-comm-overlap", action="store_true")
     m("--tp-comm-overlap-transport", choices=["nccl", "copy-engine"])
-    m("--cp-comm-type", choices=["p2p", "all_gather"])
+    m("--cp-comm-type", choices=["p2p", "all_gather", "a2a"])
     m("--cp-placement", choices=["static", "dynamic", "static_blocks"])
     m("--cp-block-size", type=int)
     m("--fp8-format", choices=["e4m3", "hybrid"])

@@ -117,6 +117,8 @@ def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:
             )
         return
     _validate_dynamic_placement(cfg, layout)
+    if cfg.model.cp_comm_type == "a2a" and cfg.model.attention_dropout > 0:
+        raise ConfigError("--cp-comm-type a2a needs --attention-dropout 0")
     for other in context_parallel_conflicts(cfg):
         raise ConfigError(
             f"--context-parallel-size > 1 does not run with {other} yet: drop one of them"
@@ -140,7 +142,7 @@ def _validate_dynamic_placement(cfg: MegadynConfig, layout: Layout) -> None:
         )
     if m.cp_comm_type != "p2p":
         raise ConfigError(
-            f"--cp-comm-type all_gather does not run with --cp-placement {m.cp_placement} "
+            f"--cp-comm-type {m.cp_comm_type} does not run with --cp-placement {m.cp_placement} "
             "(which sends each rank the key/value blocks it reads): drop one of them"
         )
     if m.attention_dropout > 0:

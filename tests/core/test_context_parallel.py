@@ -1,6 +1,6 @@
 """Context parallelism equals the single-process model: logits, loss and every gradient, for
 cp 2 and 4 alone, cp 2 with tp 2 (with and without sequence parallelism), with dp 2 and with
-pp 2 (also interleaved), both --cp-comm-type variants, GPT-2 (learned positions) and Llama
+pp 2 (also interleaved), the three --cp-comm-type variants, GPT-2 (learned positions) and Llama
 (RoPE, grouped queries); and with full and selective recomputation (Llama, ring).
 
 One spawned job of 4 processes runs every case (a layout over ranks [0, 1] leaves 2 and 3 out,
@@ -8,7 +8,7 @@ as standby processes); the gradients go through the training path: the pipeline'
 steps (which take each rank's chunks of the batch), DDP over dp x cp and finalize_model_grads.
 
 The same job runs the document-masked cases (--reset-position-ids, --reset-attention-mask,
---eod-mask-loss on packed samples): cp 2 and 4 with both comm types, tp 2 with sequence
+--eod-mask-loss on packed samples): cp 2 and 4 with the three comm types, tp 2 with sequence
 parallelism, pp 2, selective recomputation, the ring's fused kernel run once per document
 (--attention-backend flash: torch's CPU flash kernels), against the single-process model
 under the same masks.
@@ -37,23 +37,25 @@ from tests.core.pipeline_helpers import (
 )
 
 SEQ, M = 16, 2
-ALL, BOTH = [0, 1, 2, 3], ("p2p", "all_gather")
-CASES = [  # (layout, members, model variant, --cp-comm-types)
+ALL, BOTH, THREE = [0, 1, 2, 3], ("p2p", "all_gather"), ("p2p", "all_gather", "a2a")
+CASES = [  # (layout, members, model variant, --cp-comm-types); a2a where cp divides the
+    # key/value heads per tp rank (gpt2: 4, llama: 2)
     (Layout(cp=2), [0, 1], "gpt2", ("p2p",)),
-    (Layout(cp=2), [0, 1], "llama", BOTH),
-    (Layout(cp=4), ALL, "gpt2", ("p2p",)),
+    (Layout(cp=2), [0, 1], "llama", THREE),
+    (Layout(cp=4), ALL, "gpt2", ("p2p", "a2a")),
     (Layout(cp=4), ALL, "llama", BOTH),
-    (Layout(tp=2, cp=2), ALL, "gpt2", ("all_gather",)),
+    (Layout(tp=2, cp=2), ALL, "gpt2", ("all_gather", "a2a")),
     (Layout(tp=2, cp=2), ALL, "llama", ("p2p",)),
     (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", BOTH),
+    (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "gpt2", ("a2a",)),
     (Layout(cp=2, dp=2), ALL, "gpt2", ("p2p",)),
-    (Layout(cp=2, dp=2), ALL, "llama", ("all_gather",)),
-    (Layout(cp=2, pp=2), ALL, "llama", ("p2p",)),
+    (Layout(cp=2, dp=2), ALL, "llama", ("all_gather", "a2a")),
+    (Layout(cp=2, pp=2), ALL, "llama", ("p2p", "a2a")),
     (Layout(cp=2, pp=2, vpp=2), ALL, "gpt2", ("p2p",)),
 ]
 DOC_CASES = [  # (layout, members, model variant, --cp-comm-types) with document masking
-    (Layout(cp=2), [0, 1], "llama", BOTH),
-    (Layout(cp=4), ALL, "gpt2", BOTH),
+    (Layout(cp=2), [0, 1], "llama", THREE),
+    (Layout(cp=4), ALL, "gpt2", THREE),
     (Layout(tp=2, cp=2, sequence_parallel=True), ALL, "llama", BOTH),
     (Layout(cp=2, pp=2), ALL, "gpt2", ("p2p",)),
     (Layout(tp=2, pp=2, sequence_parallel=True), ALL, "llama", ("p2p",)),  # cp 1
@@ -173,6 +175,7 @@ def body(rank, world):
         for comm_type in comm_types:
             run_case(layout, members, variant, comm_type, references, documents=True)
     run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, RECOMPUTE[1], documents=True)
+    run_case(Layout(cp=2), [0, 1], "llama", "a2a", references, RECOMPUTE[0])
     # the fused (CPU flash) kernel once per document, the ids' host copy made once per batch
     run_case(Layout(cp=2), [0, 1], "llama", "p2p", references, documents=True, backend="flash")
 

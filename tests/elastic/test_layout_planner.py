@@ -120,6 +120,24 @@ def test_planner_picks_cp_for_long_sequences_and_not_for_short_ones():
     assert no_cp.choose(4).layout.cp == 1  # tp 4 (or SP) fits where cp is not allowed
 
 
+def test_a2a_cp_divides_the_key_value_heads_of_each_tp_rank():
+    cfg = dataclasses.replace(long_cfg(LONG), num_query_groups=2, cp_comm_type="a2a")
+    planner = LayoutPlanner(
+        cfg, global_batch_size=8, seq_length=LONG, gpu_memory_gib=80,
+        micro_batch_sizes=(1,), recomputes=NO_RECOMPUTE,
+    )  # fmt: skip
+    layouts = {layout for layout, _, _ in planner.candidates(8)}
+    assert any(layout.cp == 2 and layout.tp == 1 for layout in layouts)
+    assert all((2 // layout.tp) % layout.cp == 0 for layout in layouts)  # no cp 4 or 8, no tp2cp2
+    ring = dataclasses.replace(cfg, cp_comm_type="p2p")
+    wide = LayoutPlanner(ring, global_batch_size=8, seq_length=LONG, gpu_memory_gib=80)
+    assert any(layout.cp == 8 for layout, _, _ in wide.candidates(8))
+    # one all-to-all each way per pass, nothing hidden behind the attention: linear in length
+    cost = CostModel()
+    a2a = [cost.ring_seconds_per_layer(cfg, Layout(cp=2), 1, seq) for seq in (LONG // 2, LONG)]
+    assert 0 < 2 * a2a[0] == pytest.approx(a2a[1])
+
+
 def job_argv(seq: int, *extra: str) -> list[str]:
     return [
         "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",

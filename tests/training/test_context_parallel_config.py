@@ -33,6 +33,8 @@ def test_cp_is_a_layout_dimension():
         8,
     )
     assert (cfg.layout(8).cp, cfg.layout(8).pp, cfg.layout(8).dp) == (2, 2, 1)
+    cfg = parse("--context-parallel-size 4 --cp-comm-type a2a", 4)  # 4 heads over cp 4
+    assert cfg.model.cp_comm_type == "a2a" and cfg.layout(4).cp == 4
 
 
 def test_document_flags_reach_the_config_and_run_under_cp():
@@ -58,7 +60,13 @@ def test_document_flags_reach_the_config_and_run_under_cp():
          "--context-parallel-size"),
         ("--context-parallel-size 0", 2, "--context-parallel-size"),
         ("--cp-comm-type all_gather", 2, "--cp-comm-type"),
-        ("--context-parallel-size 2 --cp-comm-type a2a", 2, "--cp-comm-type"),
+        ("--context-parallel-size 2 --cp-comm-type ulysses", 2, "--cp-comm-type"),
+        ("--context-parallel-size 4 --tensor-model-parallel-size 2 --cp-comm-type a2a", 8,
+         "--cp-comm-type"),  # 2 key/value heads per tp rank over cp 4
+        ("--context-parallel-size 2 --cp-comm-type a2a --attention-dropout 0.1", 2,
+         "--cp-comm-type"),
+        ("--context-parallel-size 2 --cp-placement dynamic --cp-block-size 4 "
+         "--cp-comm-type a2a", 2, "--cp-comm-type"),
         ("--cp-placement dynamic", 2, "--cp-placement"),
         ("--context-parallel-size 2 --cp-placement dynamic --cp-block-size 3", 2,
          "--cp-block-size"),

@@ -57,14 +57,17 @@ DOCUMENT_FLAGS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-
 
 
 def test_document_flags_train_alike_at_cp2_and_change_the_losses(single):
-    """Also under --cp-placement dynamic (blocks of 2 tokens placed per micro batch), and with
-    --attention-backend flash (the fused CPU kernel once per document in the ring's blocks)."""
+    """Also under --cp-placement dynamic (blocks of 2 tokens placed per micro batch), with
+    --attention-backend flash (the fused CPU kernel once per document in the ring's blocks)
+    and with --cp-comm-type a2a."""
     masked = train(1, *DOCUMENT_FLAGS)
     close(train(2, "--context-parallel-size", "2", *DOCUMENT_FLAGS), masked)
     flash = ("--attention-backend", "flash")
     close(train(2, "--context-parallel-size", "2", *flash, *DOCUMENT_FLAGS), masked)
     dynamic = ("--cp-placement", "dynamic", "--cp-block-size", "2")
     close(train(2, "--context-parallel-size", "2", *dynamic, *DOCUMENT_FLAGS), masked)
+    a2a = ("--cp-comm-type", "a2a")  # the whole sequence's document mask, half the heads
+    close(train(2, "--context-parallel-size", "2", *a2a, *DOCUMENT_FLAGS), masked)
     assert all(abs(a - b) > 1e-4 for a, b in zip(masked, single))
 
 

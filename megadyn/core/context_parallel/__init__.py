@@ -3,6 +3,12 @@
     batch = split_batch(batch, groups.cp_rank, groups.cp_size)   # the data: two chunks per rank
     out = context_parallel_attention(q, k, v, groups.cp_group, "p2p")  # in the attention layer
 
+Under --cp-comm-type a2a (all_to_all.py) a rank trades its part of the sequence for a share of
+the heads before attention, attends over the whole sequence as without cp, and trades back:
+
+    q, k, v = scatter_heads([q, k, v], groups.cp_group)   # [b, h/cp, S, d]
+    out = gather_heads(attention(q, k, v), groups.cp_group)
+
 Under --cp-placement dynamic (placement.py, dynamic.py) the split is chosen per micro batch
 instead: blocks of --cp-block-size tokens placed so that every rank's attention work is equal.
 
@@ -14,6 +20,7 @@ gradients reduce over dp x cp (`ParallelGroups.dp_cp_group`).
 """
 
 from megadyn.core.context_parallel.all_gather import all_gather_attention
+from megadyn.core.context_parallel.all_to_all import gather_heads, scatter_heads
 from megadyn.core.context_parallel.comm import RingExchange, all_reduce_sum
 from megadyn.core.context_parallel.documents import PackedDocuments, device_ids
 from megadyn.core.context_parallel.dropout import block_dropout, call_seed
@@ -75,6 +82,8 @@ __all__ = [
     "block_dropout",
     "block_kernels",
     "call_seed",
+    "gather_heads",
+    "scatter_heads",
     "chunk_ids",
     "context_parallel_attention",
     "kernel_for_backend",
