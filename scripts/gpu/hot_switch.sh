@@ -17,6 +17,7 @@
 # rates would compare different steps (it overstated hot / static by up to 0.14). Writes
 # OUTDIR/moves.jsonl, results.jsonl, table.md, static.log, hot.log (with the per-step group and
 # switch lines) and the metrics files.
+# HOT_MEMORY="60 72" runs one hot row per planner memory (GiB); table.md has every timed step.
 # Usage: bash scripts/gpu/hot_switch.sh OUTDIR   (about 2.5 minutes on 2 x H100; at most 4:
 #        timeouts of 45 s for the moves and 95 s per row)
 #        TINY=1 bash scripts/gpu/hot_switch.sh OUTDIR   (CPU, gloo, a tiny model: the flow only)
@@ -69,10 +70,15 @@ COMMON=("${MODEL[@]}" --seq-length "$SEQ" --max-position-embeddings "$SEQ"
   --train-iters "$ITERS" --log-interval 1 --eval-interval 0 --num-workers 0 --seed 1234
   ${RECOMPUTE:-})
 # shellcheck disable=SC2206
-declare -A ROWS=([static]="--tensor-model-parallel-size 2"
-  [hot]="--dynamic-parallelism --dynamic-parallelism-memory-gib $MEMORY_GIB")
+# HOT_MEMORY: the memory the length planner plans for, one hot row per value (hot, hot_<GiB>...)
+declare -A ROWS=([static]="--tensor-model-parallel-size 2")
+ORDER=(static)
+for gib in ${HOT_MEMORY:-$MEMORY_GIB}; do
+  row=hot; [ "${#ORDER[@]}" = 1 ] || row=hot_$gib
+  ROWS[$row]="--dynamic-parallelism --dynamic-parallelism-memory-gib $gib"; ORDER+=("$row")
+done
 : > "$OUT/results.jsonl"
-for row in static hot; do
+for row in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
   timeout "$ROW_TIMEOUT" torchrun --standalone --nproc-per-node 2 pretrain_gpt.py "${COMMON[@]}" \
     ${ROWS[$row]} --metrics-file "$OUT/$row.metrics.jsonl" > "$OUT/$row.log" 2>&1 \
@@ -99,16 +105,36 @@ print(json.dumps({
 }))
 PY
 done
-grep -m1 " dynamic parallelism: tp" "$OUT/hot.log" | tee "$OUT/plan.txt"
-python3 - "$OUT/results.jsonl" <<'PY' | tee "$OUT/table.md"
-import json, sys
+for row in "${ORDER[@]:1}"; do grep -m1 " dynamic parallelism: tp" "$OUT/$row.log"; done | tee "$OUT/plan.txt"
+python3 - "$OUT/results.jsonl" "$OUT" "$WARMUP" <<'PY' | tee "$OUT/table.md"
+import json, os, sys
+from megadyn.training.metrics_log import iterations, read_metrics
 rows = {r["row"]: r for r in map(json.loads, open(sys.argv[1]))}
+# per timed step: each row's time; a hot row's groups (layout: samples, ms) beside it
+steps = {}
+for name in rows:
+    path = f"{sys.argv[2]}/{name}.metrics.jsonl"
+    if not os.path.exists(path):
+        continue
+    groups = {r["iteration"]: r["groups"] for r in read_metrics(path) if r["record"] == "dynamic_parallelism"}
+    for i, r in iterations(read_metrics(path)).items():
+        if i > int(sys.argv[3]):
+            cell = f"{r['elapsed_ms']:.0f}"
+            if i in groups:
+                cell += " (" + ", ".join(f"{g['layout']}: {g['samples']} of {g['shortest']}-{g['longest']} in {1e3 * g['seconds']:.0f}" for g in groups[i]) + ")"
+            steps.setdefault(i, {})[name] = cell
+print("| iteration | " + " | ".join(f"{n} ms" for n in rows) + " |")
+print("|---|" + "---|" * len(rows))
+for i in sorted(steps):
+    print(f"| {i} | " + " | ".join(steps[i].get(n, "-") for n in rows) + " |")
+print()
 print("| layout | tokens/s (all timed steps) | iteration ms (median) | peak GiB | switch ms/step (mean) | switches |")
 print("|---|---|---|---|---|---|")
 for name, r in rows.items():
     tps = r["tokens_per_s"] and round(r["tokens_per_s"])
     print(f"| {name} | {tps} | {r['iter_ms']} | {r['peak_mem_gib']} | {r['switch_ms_per_step']} | {r.get('switches')} |")
-s, h = rows.get("static", {}).get("tokens_per_s"), rows.get("hot", {}).get("tokens_per_s")
-if s and h:
-    print(f"\nhot / static tokens/s: {h / s:.2f}x (goal 1.3x)")
+s = rows.get("static", {}).get("tokens_per_s")
+for name, r in rows.items():
+    if name != "static" and s and r.get("tokens_per_s"):
+        print(f"\n{name} / static tokens/s: {r['tokens_per_s'] / s:.3f}x (goal 1.3x)")
 PY
