@@ -13,9 +13,12 @@ so there is nothing to merge and every rank's work is equal whatever the masks. 
 queries split with their key/value heads (query heads are grouped by key/value head), so
 the key/value heads per tensor-parallel rank must be a multiple of cp.
 
-The exchange is one all-to-all per direction and pass (queries, keys and values travel in
-one): a rank sends (cp-1)/cp of its q, k, v and output, where the ring sends its keys and
-values cp-1 times. The backward runs the opposite exchange on the gradients.
+The exchange is one batch of point-to-point transfers per direction and pass (queries, keys
+and values travel in one): a rank sends (cp-1)/cp of its q, k, v and output, where the ring
+sends its keys and values cp-1 times. Each chunk is received straight into its place in the
+sequence, so the way in costs one copy (the senders' packing of each peer's heads) and the way
+out one (the receiver's putting the heads side by side). The backward runs the opposite
+exchange on the gradients.
 """
 
 from __future__ import annotations
@@ -23,111 +26,100 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
-    """Row i of `send` [cp, n] to cp rank i; row j of the result came from cp rank j."""
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return received
+from megadyn.core.context_parallel.comm import exchange, wait
+from megadyn.core.context_parallel.sequence import chunk_ids
 
 
-def _pack(tensors, shape, fill, cp: int) -> torch.Tensor:
-    """[cp, total]: row i holds what `fill(view, t)` writes into `view` [cp, *shape(t)] at
-    row i, for every tensor t, one after another."""
-    shapes = [shape(t) for t in tensors]
-    total = sum(torch.Size(s).numel() for s in shapes)
-    t0 = tensors[0]
-    send = torch.empty(cp, total, dtype=t0.dtype, device=t0.device)
-    offset = 0
-    for t, s in zip(tensors, shapes):
-        size = torch.Size(s).numel()
-        fill(send[:, offset : offset + size].view(cp, *s), t)
-        offset += size
-    return send
+def _slots(x: torch.Tensor, rank: int, cp: int) -> list[torch.Tensor]:
+    """The places in `x` [S, ...] (sequence order) of cp rank `rank`'s two chunks."""
+    c = x.shape[0] // (2 * cp)
+    return [x[i * c : (i + 1) * c] for i in chunk_ids(rank, cp)]
 
 
-def _unpack(received: torch.Tensor, shapes) -> list[torch.Tensor]:
-    """Views of `received` [cp, total] as one [cp, *shape] tensor per shape, in order."""
-    out, offset = [], 0
-    for shape in shapes:
-        size = torch.Size(shape).numel()
-        out.append(received[:, offset : offset + size].view(received.shape[0], *shape))
-        offset += size
-    return out
+def _to_sequence(tensors, group) -> list[torch.Tensor]:
+    """[s, b, h, d] each (this rank's chunks, every head) -> [cp*s, b, h/cp, d] (the heads of
+    this cp rank, the whole sequence in order)."""
+    cp, me = dist.get_world_size(group), dist.get_rank(group)
+    sends, receives, outs = {}, {}, []
+    for x in tensors:
+        s, b, h, d = x.shape
+        hp, c = h // cp, s // 2
+        out = x.new_empty(cp * s, b, hp, d)
+        for peer in range(cp):
+            heads = x[:, :, peer * hp : (peer + 1) * hp]
+            if peer == me:
+                for slot, part in zip(_slots(out, me, cp), (heads[:c], heads[c:])):
+                    slot.copy_(part)
+                continue
+            packed = heads.contiguous()
+            sends.setdefault(peer, []).extend([packed[:c], packed[c:]])
+            receives.setdefault(peer, []).extend(_slots(out, peer, cp))
+        outs.append(out)
+    wait(exchange(group, sends, receives))
+    return outs
 
 
-def _heads_to_sequence(tensors, group) -> list[torch.Tensor]:
-    """[b, h, s, d] each (this rank's chunks) -> [b, h/cp, cp*s, d] (one rank's share of the
-    heads, in sequence order)."""
-    cp = dist.get_world_size(group)
-
-    def shape(t):
-        b, h, s, d = t.shape
-        return b, h // cp, s, d
-
-    def fill(view, t):  # row i: heads of rank i
-        view.copy_(t.unflatten(1, (cp, -1)).transpose(0, 1))
-
-    received = _all_to_all(_pack(tensors, shape, fill, cp), group)
-    halves = [(b, h, 2, s // 2, d) for b, h, s, d in map(shape, tensors)]
-    out = []
-    for part in _unpack(received, halves):  # [cp (source), b, h/cp, 2, c, d]
-        # chunk i of the sequence: source i's first (i < cp), else source 2cp-1-i's second
-        chunks = [part[i, :, :, 0] for i in range(cp)]
-        chunks += [part[i, :, :, 1] for i in reversed(range(cp))]
-        out.append(torch.stack(chunks, dim=2).flatten(2, 3))
-    return out
+def _to_heads(tensors, group) -> list[torch.Tensor]:
+    """The inverse: [cp*s, b, h/cp, d] each -> [s, b, h, d]."""
+    cp, me = dist.get_world_size(group), dist.get_rank(group)
+    sends, receives, staged = {}, {}, []
+    for y in tensors:
+        seq, b, hp, d = y.shape
+        s = seq // cp
+        stage = y.new_empty(cp, s, b, hp, d)  # [source rank: its heads, this rank's chunks]
+        for peer in range(cp):
+            halves = [stage[peer][: s // 2], stage[peer][s // 2 :]]
+            if peer == me:
+                for half, slot in zip(halves, _slots(y, me, cp)):
+                    half.copy_(slot)
+                continue
+            sends.setdefault(peer, []).extend(_slots(y, peer, cp))
+            receives.setdefault(peer, []).extend(halves)
+        staged.append(stage)
+    wait(exchange(group, sends, receives))
+    return [t.permute(1, 2, 0, 3, 4).flatten(2, 3) for t in staged]
 
 
-def _sequence_to_heads(tensors, group) -> list[torch.Tensor]:
-    """The inverse: [b, h/cp, cp*s, d] each -> [b, h, s, d] (every head, this rank's chunks)."""
-    cp = dist.get_world_size(group)
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] <-> [b, h, s, d] (a view)."""
+    return t.permute(1, 2, 0, 3)
 
-    def shape(t):  # what goes to each rank: its two chunks
-        b, h, seq, d = t.shape
-        return b, h, 2, seq // (2 * cp), d
 
-    def fill(view, t):  # row r: chunks r and 2cp-1-r
-        chunks = t.unflatten(2, (2 * cp, -1))
-        for r in range(cp):
-            view[r, :, :, 0].copy_(chunks[:, :, r])
-            view[r, :, :, 1].copy_(chunks[:, :, 2 * cp - 1 - r])
-
-    received = _all_to_all(_pack(tensors, shape, fill, cp), group)
-    local = [(b, h, 2 * c, d) for b, h, _, c, d in map(shape, tensors)]
-    # [cp (source), b, h/cp, s, d] -> [b, h, s, d]: source j held heads j*h/cp ..
-    return [p.transpose(0, 1).flatten(1, 2) for p in _unpack(received, local)]
+def _sbhd(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(2, 0, 1, 3)
 
 
 class _ScatterHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, *tensors):
         ctx.group = group
-        return tuple(_heads_to_sequence(tensors, group))
+        return tuple(_bhsd(t) for t in _to_sequence([_sbhd(t) for t in tensors], group))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_sequence_to_heads(grads, ctx.group))
+        return (None, *(_bhsd(g) for g in _to_heads([_sbhd(g) for g in grads], ctx.group)))
 
 
 class _GatherHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, *tensors):
+    def forward(ctx, group, x):
         ctx.group = group
-        return tuple(_sequence_to_heads(tensors, group))
+        (out,) = _to_heads([_sbhd(x)], group)
+        return _bhsd(out)
 
     @staticmethod
-    def backward(ctx, *grads):
-        return (None, *_heads_to_sequence(grads, ctx.group))
+    def backward(ctx, grad):
+        (out,) = _to_sequence([_sbhd(grad)], ctx.group)
+        return None, _bhsd(out)
 
 
 def scatter_heads(tensors, group) -> list[torch.Tensor]:
     """This rank's part of the sequence [b, h, S/cp, d] of each tensor (heads divisible by cp)
-    -> heads h/cp of cp rank's share over the whole sequence [b, h/cp, S, d]."""
+    -> heads h/cp of cp rank's share over the whole sequence [b, h/cp, S, d] (a view of a
+    sequence-major tensor, the layout attention kernels take as it is)."""
     return list(_ScatterHeads.apply(group, *tensors))
 
 
 def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
     """The inverse of `scatter_heads` for one tensor: [b, h/cp, S, d] -> [b, h, S/cp, d]."""
-    (out,) = _GatherHeads.apply(group, x)
-    return out
+    return _GatherHeads.apply(group, x)
