@@ -11,7 +11,9 @@ on every rank. Two parts, each record appended to `--out`:
 - attention: one layer's attention of the reference model's shape (`--heads`, `--head-dim`),
   forward and backward, per sample and row: `ring` (--cp-placement static: the ring, whose
   document-masked blocks run the fused kernel once per document), `static_blocks` (the static
-  split through dynamic cp's varlen calls), `dynamic` (the balanced placement) and `a2a`
+  split through dynamic cp's call), `dynamic` (the balanced placement; on the GPU one
+  flex_attention call over the gathered keys, flex.py), `dynamic_varlen` (the same placement
+  through dynamic.py's two varlen flash calls, --attention-backend flash) and `a2a`
   (--cp-comm-type a2a: half the heads over the whole sequence, its document mask in one
   flex_attention call, every rank's work equal by construction). The same
   sample repeats, so the ring's per-shape kernel plans are built once here; in e2e every micro
@@ -50,7 +52,7 @@ from megadyn.core.context_parallel import (
 from megadyn.core.context_parallel.placement import imbalance, place_blocks, static_work
 from megadyn.models.document_attention import DocumentMask, document_attention
 
-ATTENTION_ROWS = ("dynamic", "static_blocks", "a2a", "ring")
+ATTENTION_ROWS = ("dynamic", "dynamic_varlen", "static_blocks", "a2a", "ring")
 """In running order: the ring, which may run out of memory at 32k, last."""
 
 
@@ -106,14 +108,15 @@ def _attention_fn(row: str, ids: torch.Tensor, c, group, device):
 
         equal = sum(static_work(c.seq, cp, ids)) / cp
         return a2a, [equal] * cp, [(cp - 1) / cp] * cp
-    placement = place_blocks(c.seq, c.block, cp, ids, balance=row == "dynamic")
+    placement = place_blocks(c.seq, c.block, cp, ids, balance=row != "static_blocks")
+    kernel = "flash" if row == "dynamic_varlen" else None
     received = []
     for r in range(cp):
         own = set(placement.blocks[r])
         needed = {k for _, k in placement.pairs(r) if k not in own}
         received.append(len(needed) / len(own))
     return (
-        lambda q, k, v: dynamic_attention(q, k, v, group, placement),
+        lambda q, k, v: dynamic_attention(q, k, v, group, placement, kernel=kernel),
         list(placement.work),
         received,
     )
@@ -231,10 +234,16 @@ def summarize(path: str) -> str:
     ms = {(r["sample"], r["row"]): r.get("ms") for r in att}
     lines += [
         "",
-        "| sample | ring / dynamic | static_blocks / dynamic | a2a / dynamic |",
-        "|---|---|---|---|",
+        "| sample | ring / dynamic | static_blocks / dynamic | a2a / dynamic "
+        "| dynamic_varlen / dynamic |",
+        "|---|---|---|---|---|",
     ]
-    ratios: dict[str, list[float]] = {"ring": [], "static_blocks": [], "a2a": []}
+    ratios: dict[str, list[float]] = {
+        "ring": [],
+        "static_blocks": [],
+        "a2a": [],
+        "dynamic_varlen": [],
+    }
     for sample in sorted({r["sample"] for r in att}):
         cells = []
         for other in ratios:

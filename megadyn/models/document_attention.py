@@ -16,16 +16,16 @@ Under context parallelism the ring and all-gather attention take the ids themsel
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from megadyn.core.context_parallel.documents import PackedDocuments, packed
+from megadyn.core.context_parallel.flex import TILE, flex, tile_mask
 
-BLOCK = 128
+BLOCK = TILE
 """Tile size of the flex_attention block mask (flex_attention's default)."""
 
 
@@ -37,40 +37,11 @@ def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per query tile: how many key tiles are set in `blocks` [b, nq, nk], and their indices
-    first (ascending), as BlockMask wants them ([b, 1, nq] and [b, 1, nq, nk], int32)."""
-    count = blocks.sum(-1, dtype=torch.int32)
-    order = blocks.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
-    return count.unsqueeze(1), order.to(torch.int32).unsqueeze(1)
-
-
 def document_block_mask(document_ids: torch.Tensor, block: int = BLOCK) -> BlockMask:
-    """flex_attention's BlockMask of `dense_document_mask`, from per-tile document ranges:
-    ids grow along a sample, so a key tile before a query tile shares a document with it iff
-    its last id is the query tile's first, and lies wholly in the query tile's one document iff
-    its first id is the query tile's last. Memory O(b (s / block)^2)."""
-    b, s = document_ids.shape
-    n = -(-s // block)
-    pad = n * block - s
-    ids = torch.cat([document_ids, document_ids[:, -1:].expand(b, pad)], dim=1)  # [b, n*block]
-    tiles = ids.view(b, n, block)
-    first, last = tiles[..., 0], tiles[..., -1]  # [b, n]
-    index = torch.arange(n, device=ids.device)
-    below = (index.unsqueeze(1) > index.unsqueeze(0)).unsqueeze(0)  # key tile before query's
-    diagonal = torch.eye(n, dtype=torch.bool, device=ids.device).unsqueeze(0)
-    shares = last.unsqueeze(1) >= first.unsqueeze(2)  # [b, nq, nk]
-    full = below & (first.unsqueeze(1) == last.unsqueeze(2))
-    if pad:  # the padded tail of the last key tile must be masked element by element
-        full[..., -1] = False
-    partial = (diagonal | (below & shares)) & ~full
-
-    def visible(batch, head, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (ids[batch, q_idx] == ids[batch, kv_idx])
-
-    return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(s, s)
-    )
+    """flex_attention's BlockMask of `dense_document_mask` (flex.py's tile mask over the
+    positions 0 .. s - 1): memory O(b (s / block)^2)."""
+    positions = torch.arange(document_ids.shape[1], device=document_ids.device)
+    return tile_mask(document_ids, positions, positions, block)
 
 
 @dataclass(frozen=True)
@@ -105,14 +76,9 @@ class DocumentMask:
         return cls(document_ids, dense=dense_document_mask(document_ids))
 
 
-@functools.cache
-def _compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def document_attention(q, k, v, mask: DocumentMask) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v within documents; q [b, n, s, d], k and v [b, g, s, d]."""
-    gqa = k.shape[1] != q.shape[1]
     if mask.block_mask is not None:
-        return _compiled_flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        return flex(q, k, v, mask.block_mask)
+    gqa = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)

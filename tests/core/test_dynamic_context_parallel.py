@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megadyn.core.context_parallel import dynamic_attention, split_batch_dynamic
+from megadyn.core.context_parallel.flex import flex, flex_placement_attention, tile_mask
 from megadyn.core.context_parallel.placement import imbalance, place_blocks, static_work
 from megadyn.core.distributed import DistributedDataParallel, finalize_model_grads
 from megadyn.core.groups import ParallelGroups
@@ -108,7 +109,8 @@ def run_case(layout, members, variant, documents, with_static, placement, refere
 
 def check_attention_kernels(rank, world) -> None:
     """dynamic_attention alone, output and q/k/v gradients, against the dense document mask,
-    through the math and the fused (CPU flash) block kernels, grouped queries."""
+    through the math and the fused (CPU flash) block kernels and the flex_attention call over
+    the gathered keys (flex.py), grouped queries."""
     torch.manual_seed(0)
     seq, block, b, heads, groups, d = 32, 2, 2, 4, 2, 8
     q, k, v = (
@@ -126,9 +128,12 @@ def check_attention_kernels(rank, world) -> None:
     ref.backward(grad)
     placement = place_blocks(seq, block, world, ids)
     index = placement.token_index(rank)
-    for kernel in ("math", "flash"):
+    for kernel in ("math", "flash", "flex"):
         mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = dynamic_attention(*mine, dist.group.WORLD, placement, kernel=kernel)
+        if kernel == "flex":  # the GPU's path (CUDA, 16-bit), eager here, tiles of a block
+            out = flex_placement_attention(*mine, dist.group.WORLD, placement, tile=block)
+        else:
+            out = dynamic_attention(*mine, dist.group.WORLD, placement, kernel=kernel)
         out.backward(grad[:, :, index])
         assert_rel(out, ref[:, :, index], f"{kernel} out")
         for name, t, r in zip("qkv", mine, full):
@@ -182,3 +187,33 @@ def test_placement_balances_attention_work_where_static_does_not(cp):
         assert max(runs) <= 2, placement.blocks
     visible = sum(len(placement.pairs(r)) for r in range(cp))
     assert visible < (seq // block) * (seq // block + 1) // 2  # pairs across documents skipped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_flex_call_over_a_placement_on_gpu():
+    """flex.py's compiled call on the GPU (bf16): each rank's queries over every rank's keys in
+    rank order, under the tile mask of the placement's positions, against fp32 attention
+    under the dense document mask; output and gradients."""
+    seq, block, heads, d = 4096, 256, 4, 64
+    ids = skewed_documents(seq, [1900, 100, 700, 33, 300])
+    dense = dense_document_mask(ids).cuda()  # [1, 1, S, S]
+    for cp in (2, 4):
+        placement = place_blocks(seq, block, cp, ids)
+        keys = torch.cat([placement.token_index(r, "cuda") for r in range(cp)])
+        for r in range(cp):
+            rows = placement.token_index(r, "cuda")
+            torch.manual_seed(r)
+            q, k, v = (torch.randn(1, heads, seq, d, device="cuda") for _ in "qkv")
+            grad = torch.randn(1, heads, rows.numel(), d, device="cuda")
+            mine = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+            mask = tile_mask(ids.cuda(), rows, keys)
+            out = flex(mine[0][:, :, rows], mine[1][:, :, keys], mine[2][:, :, keys], mask)
+            out.backward(grad.bfloat16())
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*full, attn_mask=dense)[:, :, rows]
+            ref.backward(grad)
+            for name, got, want in [("out", out, ref)] + [
+                (f"d{n}", t.grad, r.grad) for n, t, r in zip("qkv", mine, full)
+            ]:
+                err = (got.float() - want).abs().max() / want.abs().max()
+                assert err < 2e-2, f"cp {cp} rank {r} {name}: {err:.4f}"

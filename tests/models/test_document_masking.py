@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+from megadyn.core.context_parallel.flex import emulated_mask
 from megadyn.data import MicroBatchLoader, MockGPTDataset
 from megadyn.data.documents import DocumentMasking
 from megadyn.models import GPTConfig, GPTModel, init_chunk, lm_loss
@@ -81,6 +82,8 @@ def test_document_attention_matches_a_dense_mask_and_differs_from_causal():
     block = document_block_mask(ids, block=16)
     tiles = F.pad(reference_mask[:, 0], (0, 10, 0, 10)).view(b, 5, 16, 5, 16)
     assert torch.equal(block.to_dense()[:, 0].bool(), tiles.any(-1).any(-2))
+    # what flex_attention computes: full tiles whole, partial ones through the mask_mod
+    assert torch.equal(emulated_mask(block, s, s), reference_mask)
     flex = flex_attention(q, k, v, block_mask=block, enable_gqa=True)
     torch.testing.assert_close(flex, ref)
 

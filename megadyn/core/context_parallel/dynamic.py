@@ -1,6 +1,8 @@
 """Attention under a dynamic placement (--cp-placement dynamic, placement.py): each cp rank
 receives only the key/value blocks its queries read from the ranks that hold them, and
-computes its queries' attention in varlen kernel calls (varlen.py).
+computes its queries' attention in varlen kernel calls (varlen.py). On CUDA in 16-bit with
+--attention-backend auto it is flex.py's one flex_attention call over the gathered keys
+instead.
 
     out = dynamic_attention(q, k, v, cp_group, placement)   # q [b, n, s, d]
 
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.context_parallel.comm import exchange, wait
+from megadyn.core.context_parallel.flex import flex_placement_attention, uses_flex
 from megadyn.core.context_parallel.placement import BlockPlacement
 from megadyn.core.context_parallel.route import Route, derive_route, put, take
 from megadyn.core.context_parallel.varlen import varlen_backward, varlen_forward
@@ -149,4 +152,6 @@ def dynamic_attention(q, k, v, group, placement: BlockPlacement, scale=None, ker
     documents when the placement was computed from document ids), whose blocks of keys and
     values k, v [b, g, s, d] are spread over `group` as `placement` says."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if uses_flex(q, kernel, placement.block_size):  # CUDA, 16-bit, --attention-backend auto
+        return flex_placement_attention(q, k, v, group, placement, scale)
     return _DynamicAttention.apply(q, k, v, group, placement, scale, kernel)
