@@ -11,21 +11,22 @@
 #           the weights in and the gradients back within each step.
 # First tools/bench_hot_switch.py times a switch's moves (weights dp 2 -> tp 2, gradients back)
 # by the all-gather path that training uses and by the reshard planner + executor, and checks
-# that both give bit-equal tensors (moves.jsonl). Then ITERS iterations of each row (default 8);
-# tokens/s is the tokens of the iterations after WARMUP (default 3) over their time: both rows
+# that both give bit-equal tensors (moves.jsonl). Then ITERS iterations of each row (default 20;
+# with 5 timed steps one slow static step, a length seen first, read as 1.38x where 15 steps
+# gave 1.13x); tokens/s is the tokens of the iterations after WARMUP (default 5) over their time: both rows
 # draw the same samples, whose lengths differ from step to step, so a median of per-iteration
 # rates would compare different steps (it overstated hot / static by up to 0.14). Writes
 # OUTDIR/moves.jsonl, results.jsonl, table.md, static.log, hot.log (with the per-step group and
 # switch lines) and the metrics files.
 # HOT_MEMORY="60 72" runs one hot row per planner memory (GiB); table.md has every timed step.
-# Usage: bash scripts/gpu/hot_switch.sh OUTDIR   (about 2.5 minutes on 2 x H100; at most 4:
-#        timeouts of 45 s for the moves and 95 s per row)
+# Usage: bash scripts/gpu/hot_switch.sh OUTDIR   (about 3.5 minutes on 2 x H100; at most 6.5:
+#        timeouts of 45 s for the moves and 170 s per row)
 #        TINY=1 bash scripts/gpu/hot_switch.sh OUTDIR   (CPU, gloo, a tiny model: the flow only)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_hot}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-ITERS=${ITERS:-8}; WARMUP=${WARMUP:-3}; GBS=${GBS:-32}; ROW_TIMEOUT=${ROW_TIMEOUT:-95}
+ITERS=${ITERS:-20}; WARMUP=${WARMUP:-5}; GBS=${GBS:-32}; ROW_TIMEOUT=${ROW_TIMEOUT:-170}
 source scripts/gpu/reference_model.sh
 if [ "${TINY:-0}" = 1 ]; then
   SEQ=512; VOCAB=1000; ITERS=4; WARMUP=1; GBS=16
