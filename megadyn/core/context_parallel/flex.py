@@ -15,9 +15,11 @@ reduce-scattered back to their ranks (tensor_parallel's gather_from_sequence).
 
 The mask is built once per micro batch (the placement's `derived` cache) and the shapes are
 the same in every micro batch (every rank holds S / cp tokens), so flex_attention compiles
-once. On the three document-masked 32k samples of scripts/gpu/dcp_compare.sh this ran faster
-than the two varlen flash calls of dynamic.py (BENCHMARKS.md), which still serve
---attention-backend flash or fused.
+once. On the three document-masked 32k samples of scripts/gpu/dcp_compare.sh this ran 1.10-
+1.36x faster than the two varlen flash calls of dynamic.py (2 x H100, BENCHMARKS.md), which
+still serve --attention-backend flash or fused. At cp 2 the gathered keys are what the
+varlen route receives anyway (a rank reads most of the other's blocks); at larger cp it moves
+more than the route, unhidden.
 """
 
 from __future__ import annotations
