@@ -138,6 +138,28 @@ def test_a2a_cp_divides_the_key_value_heads_of_each_tp_rank():
     assert 0 < 2 * a2a[0] == pytest.approx(a2a[1])
 
 
+def test_live_layout_request_keeps_a2a_cp_within_the_key_value_heads():
+    """An operator's `layout --cp 4` on an a2a job with 2 key/value heads is refused by name
+    (the job keeps running); `--cp 2` is taken, and a scale under --elastic-layout auto plans
+    a cp that a2a can run."""
+    groups = SimpleNamespace(
+        layout=Layout(tp=2), grid=SimpleNamespace(members=[0, 1, 2, 3]), backend="gloo"
+    )
+    gqa = ("--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "2")
+    cfg = parse_config(job_argv(LONG, *gqa), 4)
+    with pytest.raises(LayoutError, match="--cp-comm-type a2a"):
+        resolve_request(Request(action="layout", tp=1, cp=4), cfg.model, cfg, groups, [0, 1, 2, 3])
+    layout, _, _ = resolve_request(
+        Request(action="layout", tp=1, cp=2), cfg.model, cfg, groups, [0, 1, 2, 3]
+    )
+    assert (layout.cp, layout.dp) == (2, 2)
+    scale = Request(action="scale", members=8)
+    layout, _, _ = resolve_request(
+        scale, cfg.model, cfg, groups, list(range(8)), gpu_memory_gib=200
+    )
+    assert (2 // layout.tp) % layout.cp == 0
+
+
 def job_argv(seq: int, *extra: str) -> list[str]:
     return [
         "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
