@@ -21,6 +21,7 @@ def test_rows_alternate_their_order_and_extras_run_last():
 def test_summary_medians_and_per_round_ratios(tmp_path):
     path = tmp_path / "runs.jsonl"
     rows = [("cp2", 0, 130.0), ("tp2", 0, 100.0), ("tp2", 1, 110.0), ("cp2", 1, 121.0)]
+    rows += [("cp2_a2a", 0, 90.0)]
     recs = [
         dict(row=r, seq=32768, round=n, tokens_per_s_per_gpu=t, mfu=0.4, peak_mem_gib=50.0)
         for r, n, t in rows
@@ -28,5 +29,8 @@ def test_summary_medians_and_per_round_ratios(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     table = summarize(str(path))
     assert "| 32768 | cp2 | 126 | 130 121 | 40.0% | 50.0 | none |" in table
-    assert "| 32768 | 0 | 1.300 | - | - |" in table and "| 32768 | 1 | 1.100 | - | - |" in table
+    assert "| 32768 | 0 | cp2 | 1.300 | - | - |" in table
+    assert "| 32768 | 1 | cp2 | 1.100 | - | - |" in table
+    assert "| 32768 | 0 | cp2_a2a | 0.900 | - | - |" in table  # each cp row against tp2
+    assert "| 32768 | 1 | cp2_a2a | - | - | - |" in table
     assert "| 65536 | cp2 | oom |" in table
