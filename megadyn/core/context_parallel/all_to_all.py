@@ -81,11 +81,12 @@ def _to_heads(tensors, group) -> list[torch.Tensor]:
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:
-    """[s, b, h, d] <-> [b, h, s, d] (a view)."""
+    """[s, b, h, d] -> [b, h, s, d] (a view)."""
     return t.permute(1, 2, 0, 3)
 
 
 def _sbhd(t: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, d] -> [s, b, h, d] (a view)."""
     return t.permute(2, 0, 1, 3)
 
 
