@@ -19,6 +19,15 @@ from megadyn.core.context_parallel.sequence import local_positions, split_sequen
 from megadyn.core.tensor_parallel import gather_from_sequence
 
 
+def gather_keys_values(k, v, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's keys and values k, v [b, g, s, d] over `group`, rank after rank
+    ([b, g, cp * s, d] each); their gradients are reduce-scattered back."""
+    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, g, d]: sequence first
+    kv = gather_from_sequence(kv, group)  # [cp * s, 2, b, g, d], rank after rank
+    k_all, v_all = kv.permute(1, 2, 3, 0, 4).unbind(0)  # [b, g, cp * s, d]
+    return k_all, v_all
+
+
 def all_gather_attention(
     q, k, v, group, scale: float | None = None, document_ids=None, dropout=None
 ) -> torch.Tensor:
@@ -28,9 +37,7 @@ def all_gather_attention(
     dropout when `dropout` is (p, seed)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     s = q.shape[2]
-    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, g, d]: sequence first
-    kv = gather_from_sequence(kv, group)  # [cp * s, 2, b, g, d], rank after rank
-    k_all, v_all = kv.permute(1, 2, 3, 0, 4).unbind(0)  # [b, g, cp * s, d]
+    k_all, v_all = gather_keys_values(k, v, group)
     seq = s * cp
     q_pos = local_positions(seq, rank, cp, q.device)  # [s]
     k_pos = torch.cat([local_positions(seq, r, cp, q.device) for r in range(cp)])  # [cp * s]

@@ -11,7 +11,7 @@ when all are, and masked element by element otherwise. A tile lies within one bl
 placement, so its tokens are consecutive in the sequence and the tile's first and last
 position and document id say which case it is, as for the single-process document mask
 (models/document_attention.py). The gradient of the gathered keys and values is
-reduce-scattered back to their ranks (tensor_parallel's gather_from_sequence).
+reduce-scattered back to their ranks (all_gather.py's gather_keys_values).
 
 The mask is built once per micro batch (the placement's `derived` cache) and the shapes are
 the same in every micro batch (every rank holds S / cp tokens), so flex_attention compiles
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from megadyn.core.tensor_parallel import gather_from_sequence
+from megadyn.core.context_parallel.all_gather import gather_keys_values
 
 TILE = 128
 """flex_attention's tile (its default block size)."""
@@ -143,7 +143,5 @@ def flex_placement_attention(q, k, v, group, placement, scale=None, tile: int = 
     """Attention of this rank's queries q [b, n, s, d] over the keys and values k, v
     [b, g, s, d] of every rank, as `placement` holds them (module docstring)."""
     mask = _placement_mask(placement, dist.get_rank(group), q.shape[0], q.device, tile)
-    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, g, d]: sequence first
-    kv = gather_from_sequence(kv, group)  # [cp * s, 2, b, g, d], rank after rank
-    k_all, v_all = kv.permute(1, 2, 3, 0, 4).unbind(0)  # [b, g, cp * s, d]
+    k_all, v_all = gather_keys_values(k, v, group)
     return flex(q, k_all, v_all, mask, scale)
