@@ -115,7 +115,15 @@ def test_four_reconfigurations_match_uninterrupted_run():
     }
 
 
-def operator_tool(rank, world, argv, port):
+TOOL_COMMANDS = (
+    ("bad", ["layout", "--tp", "8", "--pp", "1"]),
+    ("good", ["scale", "2", "--release"]),
+)
+
+
+def operator_tool(rank, world, argv, port, commands=TOOL_COMMANDS):
+    """pretrain_gpt.py on every rank; on rank 0 tools/elastic_ctl.py also sends `commands`
+    ((name, argv) in order); the job's output gets each one's (return code, output)."""
     import subprocess
     import sys
 
@@ -127,10 +135,7 @@ def operator_tool(rank, world, argv, port):
     result = {}
 
     def drive():  # started before the job: the tool waits for the control store to come up
-        for name, cmd in (
-            ("bad", ["layout", "--tp", "8", "--pp", "1"]),
-            ("good", ["scale", "2", "--release"]),
-        ):
+        for name, cmd in commands:
             result[name] = subprocess.run(base + cmd, capture_output=True, text=True)
 
     t = threading.Thread(target=drive, daemon=True)

@@ -8,7 +8,7 @@ import os
 from collections import Counter
 
 from megadyn.testing import free_port, spawn
-from tests.elastic.test_live_reconfiguration import elastic_run
+from tests.elastic.test_live_reconfiguration import ARGS, elastic_run, operator_tool, run_pretrain
 from tests.training.test_training_run import COMMON, close, train
 
 
@@ -51,6 +51,33 @@ def test_live_changes_tp2_cp2_dp2_train_like_cp1(single):
     assert sorted(drawn) == list(range(4 * len(single))) and set(drawn.values()) == {1}
     events = [e for r in results for e in r["events"]]
     assert {e["new"] for e in events} == {"tp1xcp2xpp1xdp1", "tp1xpp1xdp2"}
+
+
+def test_a2a_job_refuses_a_cp_its_heads_do_not_allow_and_takes_the_next_request():
+    """An operator's elastic_ctl.py requests to an a2a job at cp 2 with 2 key/value heads:
+    `layout --cp 4` is refused by name and the job goes on; `layout --cp 1` (dp 4) is taken;
+    the losses are those of the uninterrupted single-process run."""
+    args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
+    args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"
+    gqa = ["--group-query-attention", "--num-query-groups", "2", "--cp-comm-type", "a2a"]
+    reference = spawn(run_pretrain, world=1, args=(args + gqa[:3],))[0]
+    port = free_port()
+    argv = args + gqa + ["--context-parallel-size", "2", "--elastic-control-port", str(port)]
+    commands = (
+        ("bad", ["layout", "--tp", "1", "--pp", "1", "--cp", "4"]),
+        ("good", ["layout", "--tp", "1", "--pp", "1", "--cp", "1"]),
+    )
+    results = spawn(operator_tool, world=4, args=(argv, port, commands), timeout_s=120)
+    (bad_rc, bad_out), (good_rc, good_out) = results[0]["tool"]["bad"], results[0]["tool"]["good"]
+    assert bad_rc == 2 and "refused" in bad_out and "--cp-comm-type a2a" in bad_out, bad_out
+    assert good_rc == 0 and '"new": "tp1xpp1xdp4"' in good_out, good_out
+    losses = {}
+    for r in results:
+        losses.update(r["losses"])
+    for i, want in enumerate(reference, start=1):
+        assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
+    drawn = Counter(s for r in results for s in r["samples"])
+    assert sorted(drawn) == list(range(1600)) and set(drawn.values()) == {1}
 
 
 DOCUMENT_FLAGS = ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
