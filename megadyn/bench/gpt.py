@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megadyn.bench.documents import skewed_document_ids
 from megadyn.bench.trace_overlap import summarize, write_kernels_csv
+from megadyn.core import c10d_compat
 from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
@@ -251,7 +252,7 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     """Build the job of `a` over every process, time its steps (and profile two under
     --profile), tear its groups down; the record that tools/bench_gpt.py prints."""
     if a.gemm_sm_carveout is not None:
-        torch._C._set_sm_carveout_experimental(a.gemm_sm_carveout)
+        c10d_compat.set_sm_carveout(a.gemm_sm_carveout)
     world = dist.get_world_size()
     layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp, cp=a.cp)
     layout.validate(num_layers=a.layers, num_attention_heads=a.heads, seq_length=a.seq)

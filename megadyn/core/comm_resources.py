@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from megadyn.core import c10d_compat
+
 # group name -> the resources of the live layout that created the group (see the docstring)
 _serving: weakref.WeakValueDictionary[str, CommResources] = weakref.WeakValueDictionary()
 
@@ -33,8 +35,7 @@ def _symmetric_workspace(group, nbytes: int, device: torch.device):
     """A symmetric-memory workspace of `nbytes` over `group` (collective: every rank of the
     group calls it): (its memory, the handle whose `get_buffer` views every rank's memory).
     The caller owns both; dropping them frees the memory."""
-    import torch.distributed._symmetric_memory as symm_mem
-
+    symm_mem = c10d_compat.symmetric_memory()
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"a {nbytes}-byte symmetric-memory workspace cannot be allocated during CUDA graph "

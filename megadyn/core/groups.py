@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megadyn.core import c10d_compat
 from megadyn.core.comm_resources import CommOverlap, CommResources
 from megadyn.core.layout import Coords, Layout, LayoutError, RankGrid, canonical_members
 
@@ -239,7 +240,7 @@ class ParallelGroups:
         """Bound every later collective on these groups by `timeout` (they were built with a
         shorter one, which bounds only how long their creation waits for a peer)."""
         for group in self._owned:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            c10d_compat.set_group_timeout(group, timeout)
 
     def destroy(self) -> None:
         """Release every group this object created and its communication resources; the object

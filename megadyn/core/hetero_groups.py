@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import nn
 
+from megadyn.core import c10d_compat
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_layout import HeteroCoords, HeteroLayout, reduce_part
 
@@ -192,7 +193,7 @@ class HeteroGroups:
         """Bound every later collective on these groups, the replicas' own too, by `timeout`
         (see ParallelGroups.set_timeout)."""
         for group in self._owned:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            c10d_compat.set_group_timeout(group, timeout)
         for replica in self._replicas:
             replica.set_timeout(timeout)
 

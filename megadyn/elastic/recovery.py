@@ -50,6 +50,7 @@ from socket import gethostname
 import torch
 import torch.distributed as dist
 
+from megadyn.core import c10d_compat
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import layout_from_dict, layout_to_dict
@@ -120,8 +121,7 @@ def abort(trainer, device_done: int | None = None) -> Salvaged:
 def group_count_at_least(n: int) -> None:
     """Every survivor draws the next process-group names from the same count (a failure may
     have cut a round of group creation short on some of them)."""
-    world = dist.distributed_c10d._world
-    world.group_count = max(world.group_count, n)
+    c10d_compat.raise_group_count(n)
 
 
 def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Round, list, dict]:
@@ -153,7 +153,7 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
 def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
     """This process's report, after its holdings' RNG streams are published."""
     member = salvaged is not None
-    report = Report(rank, member, group_count=_group_count(), host=gethostname())
+    report = Report(rank, member, group_count=c10d_compat.group_count(), host=gethostname())
     if salvaged is None:
         return report
     for k, h in enumerate([salvaged, *salvaged.earlier]):
@@ -174,10 +174,6 @@ def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
             for h in salvaged.earlier
         ],
     )
-
-
-def _group_count() -> int:
-    return dist.distributed_c10d._world.group_count
 
 
 def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, feed, created):

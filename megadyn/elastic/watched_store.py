@@ -15,6 +15,16 @@ agreement over (recovery.py) instead of waiting out the timeout.
 
 Groups created inside keep the `WatchedStore` as their store; outside the block it only passes
 calls on (an NCCL communicator's first use, after the block, waits as it would without it).
+
+Two rules keep that safe, because C++ (the groups' PrefixStores) holds only the C++ half of a
+Python store, and calls a method of the Python half by name:
+- every `WatchedStore` (clones included) stays referenced from `_alive` for the life of the
+  process. On gloo a group connects inside the block, while the block still held the store; an
+  NCCL group connects at its first collective, after the block: with nothing left holding the
+  Python half, its `set` failed with "fn INTERNAL ASSERT FAILED ... Not implemented." and every
+  recovery on GPUs ended in the restart path (tests/elastic/test_watched_store.py reproduces
+  that path on gloo);
+- it overrides every method of `dist.Store`, so no call falls through to the base class's.
 """
 
 from __future__ import annotations
@@ -25,7 +35,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megadyn.core import c10d_compat
 from megadyn.elastic.agreement import poll
+
+# every WatchedStore made, kept for as long as a group may call it (see the docstring)
+_alive: list[WatchedStore] = []
 
 
 class PeerGone(RuntimeError):
@@ -46,7 +60,8 @@ class WatchedStore(dist.Store):
     def __init__(self, inner: dist.Store, watch: _Watch):
         super().__init__()
         self.inner, self.watch = inner, watch
-        self.set_timeout(inner.timeout)
+        super().set_timeout(inner.timeout)
+        _alive.append(self)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
@@ -99,6 +114,25 @@ class WatchedStore(dist.Store):
     def has_extended_api(self) -> bool:
         return self.inner.has_extended_api()
 
+    def queue_push(self, key: str, value) -> None:
+        self.inner.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self.inner.queue_pop(key, block)
+
+    def queue_len(self, key: str) -> int:
+        return self.inner.queue_len(key)
+
+    def list_keys(self) -> list[str]:
+        return self.inner.list_keys()
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self.inner.set_timeout(timeout)
+
     def clone(self) -> WatchedStore:
         return WatchedStore(self.inner.clone(), self.watch)
 
@@ -106,13 +140,9 @@ class WatchedStore(dist.Store):
 @contextmanager
 def watching_failures(failed: Callable[[], bool]) -> Iterator[None]:
     """Inside: process groups are created through a `WatchedStore` over the default store."""
-    world = dist.distributed_c10d._world
-    default = dist.distributed_c10d._get_default_group()
-    backend, store = world.pg_map[default]
     watch = _Watch(failed)
-    world.pg_map[default] = (backend, WatchedStore(store, watch))
     try:
-        yield
+        with c10d_compat.default_store_replaced(WatchedStore(c10d_compat.default_store(), watch)):
+            yield
     finally:
         watch.on = False
-        world.pg_map[default] = (backend, store)

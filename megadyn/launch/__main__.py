@@ -6,7 +6,10 @@
 
 Every flag of torchrun (torch.distributed.run's own parser) means what it means there; the one
 added flag, --no-keep-survivors, goes before the training script like torchrun's own. With
-survivors kept the workers see MEGADYN_KEEP_SURVIVORS=1 (torchrun_env.keep_survivors).
+survivors kept the workers see MEGADYN_KEEP_SURVIVORS=1 (torchrun_env.keep_survivors) and
+TORCH_NCCL_ASYNC_ERROR_HANDLING=0: NCCL's watchdog then leaves up a process whose communicators
+the in-process recovery aborts (megadyn/launch/failure_watch.py). A user who sets another value
+gets one line saying what it costs.
 """
 
 from __future__ import annotations
@@ -40,11 +43,32 @@ def parse_args(argv: list[str]) -> tuple[Namespace, bool]:
     return args, keep
 
 
+# what the in-process recovery needs of NCCL in its workers' environment: name -> value
+NCCL_FOR_RECOVERY = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def set_worker_environment(env: dict[str, str]) -> list[str]:
+    """Set what the in-process recovery needs in `env` (the workers inherit it), keeping a
+    value the user set; returns one line per value kept that costs the recovery."""
+    lines = []
+    for name, value in NCCL_FOR_RECOVERY.items():
+        mine = env.setdefault(name, value)
+        if mine != value:
+            lines.append(
+                f"megadyn.launch: {name}={mine} (set by you) lets NCCL's watchdog end a worker "
+                f"whose communicators the in-process recovery aborts, so a failure on GPUs "
+                f"takes the restart path (--max-restarts); {name}={value} keeps survivors"
+            )
+    return lines
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     args, keep = parse_args(sys.argv[1:] if argv is None else argv)
     if keep:  # the workers inherit the launcher's environment, as torchrun's OMP_NUM_THREADS
         os.environ[KEEP_SURVIVORS_ENV] = "1"
+        for line in set_worker_environment(os.environ):
+            print(line, file=sys.stderr, flush=True)
     elif os.environ.get(KEEP_SURVIVORS_ENV) == "1":  # --no-keep-survivors: torchrun's workers
         del os.environ[KEEP_SURVIVORS_ENV]
     launch(args, keep_survivors=keep)

@@ -28,6 +28,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megadyn.core import c10d_compat
 from megadyn.launch import failures, torchrun_env
 from megadyn.launch.distributed_init import agent_store, attempt_prefix
 
@@ -158,11 +159,7 @@ def abort_nccl_groups() -> None:
     started together, every communicator's abort flag is set before any of them waits, every
     kernel ends and every abort returns (0.5 s on 2 x H200, torch 2.11, NCCL 2.28).
     Run with TORCH_NCCL_ASYNC_ERROR_HANDLING=0, so that NCCL's watchdog leaves the process up."""
-    c10d = dist.distributed_c10d
-    default = c10d._get_default_group()
-    groups = [
-        g for g in list(c10d._world.pg_map) if g is not default and dist.get_backend(g) == "nccl"
-    ]
+    groups = c10d_compat.nccl_groups()
     threads = [threading.Thread(target=_abort_quietly, args=(g,), daemon=True) for g in groups]
     for thread in threads:
         thread.start()
@@ -172,6 +169,6 @@ def abort_nccl_groups() -> None:
 
 def _abort_quietly(group) -> None:
     try:
-        group.abort()
+        c10d_compat.abort_group(group)
     except Exception:  # noqa: BLE001 - destroyed meanwhile by the main thread
         pass

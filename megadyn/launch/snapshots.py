@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megadyn.core import c10d_compat
 from megadyn.launch import torchrun_env
 from megadyn.training.checkpoint import METADATA, STATE_FILE, iter_dir, required_pieces
 
@@ -287,7 +288,7 @@ class FinishAgreement:
     """
 
     def __init__(self, iteration: int, members: list[int], rank: int, store=None):
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = store if store is not None else c10d_compat.default_store()
         self.prefix = f"megadyn/snapshot/{iteration}/"
         self.members, self.rank = list(members), rank
         self.announced = self.decided = False

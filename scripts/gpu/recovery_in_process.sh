@@ -15,8 +15,8 @@
 # by default; about 6 minutes in all)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_recovery_in_process}; mkdir -p "$OUT"
-# NCCL's watchdog must leave a process whose communicators the recovery aborts up
-export NCCL_NVLS_ENABLE=0 TORCH_NCCL_ASYNC_ERROR_HANDLING=0
+# python -m megadyn.launch gives its workers what the recovery needs of NCCL (README)
+export NCCL_NVLS_ENABLE=0
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 source scripts/gpu/reference_model.sh

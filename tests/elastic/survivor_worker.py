@@ -29,7 +29,12 @@ def main() -> int:
     if rank == 0 and "--no-declare" not in sys.argv:
         failures.declare_recovering(store)
     dist.barrier()  # the declaration is in the store before anyone dies
-    print(f" worker {rank}: attempt {attempt}, keep_survivors={env.keep_survivors}", flush=True)
+    nccl = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    print(
+        f" worker {rank}: attempt {attempt}, keep_survivors={env.keep_survivors}, "
+        f"TORCH_NCCL_ASYNC_ERROR_HANDLING={nccl}",
+        flush=True,
+    )
     total = torch.ones(1)
     if attempt == 0 and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from megadyn.launch import failures
-from megadyn.launch.__main__ import parse_args
+from megadyn.launch.__main__ import parse_args, set_worker_environment
 from megadyn.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,13 +29,15 @@ TINY = (
 ).split()
 
 
-def start(module: str, args: list[str], nproc: int = 3, **env) -> subprocess.Popen:
+def start(module: str, args: list[str], nproc: int = 3, **env_overrides) -> subprocess.Popen:
     """Start `python -m <module> --nproc-per-node <nproc> <args>` from the repository root (the
     workers import this checkout's megadyn)."""
     cmd = [sys.executable, "-m", module, "--nproc-per-node", str(nproc), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_overrides)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     env.pop("MEGADYN_KEEP_SURVIVORS", None)
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env_overrides:
+        env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -51,15 +53,17 @@ def finish(job: subprocess.Popen) -> tuple[int, str]:
     return job.returncode, out
 
 
-def launch(module: str, args: list[str], nproc: int = 3) -> tuple[int, str]:
+def launch(module: str, args: list[str], nproc: int = 3, **env) -> tuple[int, str]:
     """Run a launcher of one host on a free port; its exit status and output."""
-    return finish(start(module, ["--master-port", str(free_port()), *args], nproc))
+    return finish(start(module, ["--master-port", str(free_port()), *args], nproc, **env))
 
 
 def test_survivors_finish_and_the_job_succeeds():
     code, out = launch("megadyn.launch", [WORKER])
     assert code == 0, out
-    assert out.count("keep_survivors=True") == 3, out
+    # the launcher gives its workers what the recovery needs of NCCL (the README's command)
+    assert out.count("keep_survivors=True, TORCH_NCCL_ASYNC_ERROR_HANDLING=0") == 3, out
+    assert "set by you" not in out, out
     kept = re.findall(r"megadyn\.launch: rank 1 \(local rank 1 on \S+, pid \d+\) killed by SIGKILL;"
                       r" 2 worker\(s\) of this agent keep running \(recorded under "
                       r"megadyn/attempt_0/failed/1 in the agent's store\)", out)  # fmt: skip
@@ -126,6 +130,14 @@ def test_off_by_flag_or_environment(monkeypatch):
     assert not parse_args(["--no-keep-survivors", "train.py"])[1]
     monkeypatch.setenv("MEGADYN_KEEP_SURVIVORS", "0")
     assert not parse_args(["train.py"])[1]
+
+
+def test_a_users_nccl_setting_is_kept_with_its_cost_said():
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    (line,) = set_worker_environment(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (set by you)" in line and "restart path" in line
+    assert set_worker_environment({}) == []
 
 
 def test_pretrain_gpt_trains_as_under_torchrun():

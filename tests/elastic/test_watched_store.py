@@ -6,17 +6,49 @@
   that rank 0's `failed()` reads): rank 0's creation raises PeerGone soon after, though the
   group's timeout is 60 s;
 - with nothing recorded, the group's own (1 s) timeout still ends the wait;
-- outside the block, the default store is the job's again.
+- outside the block, the default store is the job's again, and the store of a group created
+  inside still answers every call NCCL makes at the group's first collective (after the block,
+  with nothing in Python holding the store any more): on GPUs that call failed with "fn INTERNAL
+  ASSERT FAILED ... Not implemented." and every in-process recovery ended in the restart path.
 """
 
+import gc
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megadyn.elastic.watched_store import PeerGone, WatchedStore, watching_failures
+from megadyn.core import c10d_compat
+from megadyn.elastic.watched_store import PeerGone, WatchedStore, _Watch, watching_failures
 from megadyn.testing import spawn
+
+
+def _as_nccl_uses_it(store: dist.Store, tag: str) -> None:
+    """The store calls of an NCCL group's first collective (its communicator's unique id goes
+    through the group's PrefixStore), and of a clone (a split group's store)."""
+    store.set(f"{tag}/id", b"unique-id")
+    assert store.get(f"{tag}/id") == b"unique-id"
+    assert store.check([f"{tag}/id"])
+    store.wait([f"{tag}/id"], timedelta(seconds=5))
+    assert store.multi_get([f"{tag}/id"]) == [b"unique-id"]
+    assert store.add(f"{tag}/n", 1) == 1
+    assert store.compare_set(f"{tag}/id", b"unique-id", b"x") == b"x"
+    store.clone().set(f"{tag}/clone", b"1")
+
+
+def test_watched_store_overrides_every_store_method():
+    """No call falls through to dist.Store's base methods (C++ calls the Python side by name)."""
+    missing = {n for n in dir(dist.Store) if not n.startswith("_")} - set(vars(WatchedStore))
+    assert missing <= {"timeout"}, f"WatchedStore lacks {sorted(missing)}"
+
+
+def test_a_group_store_outlives_the_block_that_made_it():
+    """C++ holds a WatchedStore only through its C++ half: with the Python half collected, a
+    later call by name fails (before the fix: RuntimeError 'Not implemented.')."""
+    prefixed = dist.PrefixStore("group_1/", WatchedStore(dist.HashStore(), _Watch(lambda: False)))
+    gc.collect()
+    _as_nccl_uses_it(prefixed, "after")
 
 
 def _body(rank: int, world: int):
@@ -26,6 +58,8 @@ def _body(rank: int, world: int):
         assert isinstance(dist.distributed_c10d._get_default_store(), WatchedStore)
         both = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     assert dist.distributed_c10d._get_default_store() is store
+    gc.collect()
+    _as_nccl_uses_it(c10d_compat.group_store(both), f"rank{rank}")
     x = torch.tensor([rank + 1.0])
     dist.all_reduce(x, group=both)
     assert x.item() == 3.0

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megadyn.core import c10d_compat
 from megadyn.core.comm_resources import (
     CommOverlap,
     CommResources,
@@ -68,7 +69,7 @@ def _copy_engine(x: torch.Tensor, transport: Overlap) -> bool:
         return False
     if not x.is_cuda:
         raise ValueError("--tp-comm-overlap-transport copy-engine needs CUDA tensors")
-    import torch.distributed._symmetric_memory  # noqa: F401  (registers the op's CUDA side)
+    c10d_compat.symmetric_memory()  # registers the op's CUDA side
 
     return True
 

@@ -1,0 +1,149 @@
+"""The private parts of torch.distributed that megadyn uses, in one place.
+
+    from megadyn.core import c10d_compat
+
+    c10d_compat.set_group_timeout(group, timedelta(minutes=10))
+    with c10d_compat.default_store_replaced(watched):   # groups created inside use `watched`
+        group = dist.new_group(ranks)
+
+torch does not promise these names (`_world.pg_map`, `_world.group_count`, `_set_pg_timeout`,
+`_get_default_store`, `ProcessGroup.abort`, `_symmetric_memory`, the SM carve-out); every other
+module reaches them only through the functions below. Each looks its name up when called and
+raises `TorchChanged`, naming the torch version and what megadyn needed, when the name is gone.
+The same checks run as one self-test on any machine, CPU (gloo) or GPUs (NCCL):
+
+    python -m megadyn.core.c10d_compat                                  # 1 process, gloo
+    torchrun --nproc-per-node 2 -m megadyn.core.c10d_compat --backend nccl
+
+which prints one line per function and exits 1 if any fails (tests/core/test_c10d_compat.py
+runs it on CPU; scripts/gpu/smoke.sh on the GPU machine's torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class TorchChanged(RuntimeError):
+    """A private torch part megadyn relies on is missing or behaves otherwise."""
+
+
+def _c10d():
+    return dist.distributed_c10d
+
+
+def _require(owner, name: str, used_for: str):
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__name__", type(owner).__name__)
+        raise TorchChanged(
+            f"torch {torch.__version__} has no {where}.{name}, which megadyn uses to {used_for} "
+            "(megadyn/core/c10d_compat.py); use the torch version the project pins"
+        ) from None
+
+
+def _world():
+    return _require(_c10d(), "_world", "reach the table of live process groups")
+
+
+def _pg_map() -> dict:
+    return _require(_world(), "pg_map", "reach the store and backend of each process group")
+
+
+def default_group():
+    """The default (world) process group."""
+    return _require(_c10d(), "_get_default_group", "find the default group")()
+
+
+def default_store() -> dist.Store:
+    """The store the default group was created with (the job's rendezvous store)."""
+    return _require(_c10d(), "_get_default_store", "reach the job's store")()
+
+
+def group_store(group) -> dist.Store:
+    """The store `group` was created with (NCCL reads it again at its communicator's first
+    use, after the group's creation returned)."""
+    return _pg_map()[group][1]
+
+
+def live_groups() -> list:
+    """Every process group torch holds, the default one included."""
+    return list(_pg_map())
+
+
+def nccl_groups() -> list:
+    """Every NCCL group but the default one."""
+    default = default_group()
+    return [g for g in live_groups() if g is not default and dist.get_backend(g) == "nccl"]
+
+
+@contextmanager
+def default_store_replaced(store: dist.Store) -> Iterator[None]:
+    """Inside: process groups are created over `store` instead of the default store (torch's
+    new_group reads the default group's entry in the group table). Groups created inside keep
+    `store` after the block: if it is a Python subclass of dist.Store, keep it referenced as
+    long as they live (C++ holds only its C++ part)."""
+    table, default = _pg_map(), default_group()
+    backend, original = table[default]
+    table[default] = (backend, store)
+    try:
+        yield
+    finally:
+        table[default] = (backend, original)
+
+
+def group_count() -> int:
+    """How many groups this process has created (torch names new groups by it)."""
+    return _require(_world(), "group_count", "name process groups alike on every process")
+
+
+def raise_group_count(n: int) -> None:
+    """Name the next group as if at least `n` groups had been created."""
+    world = _world()
+    world.group_count = max(group_count(), n)
+
+
+def set_group_timeout(group, timeout: timedelta) -> None:
+    """Bound the later collectives of `group` by `timeout`."""
+    _require(_c10d(), "_set_pg_timeout", "change a group's timeout after its creation")(
+        timeout, group
+    )
+
+
+def abort_group(group) -> None:
+    """Abort `group`'s communicators: its pending collectives end (NCCL: without waiting on a
+    peer that died)."""
+    _require(group, "abort", "abort the communicators of a failed layout")()
+
+
+def symmetric_memory():
+    """torch's symmetric-memory module (empty, rendezvous, the fused collectives' ops)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as e:
+        raise TorchChanged(
+            f"torch {torch.__version__} has no torch.distributed._symmetric_memory, which "
+            "megadyn's copy-engine transport uses (megadyn/core/c10d_compat.py)"
+        ) from e
+    for name in ("empty", "rendezvous"):
+        _require(symm_mem, name, "allocate and exchange symmetric-memory workspaces")
+    return symm_mem
+
+
+def set_sm_carveout(sms: int | None) -> None:
+    """Leave `sms` multiprocessors to the kernels beside the GEMMs (None: no carve-out)."""
+    _require(torch._C, "_set_sm_carveout_experimental", "leave multiprocessors to NCCL")(sms)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from megadyn.core.c10d_check import main
+
+    sys.exit(main())
