@@ -94,8 +94,8 @@ def test_vocab_size_beside_a_tokenizer_with_its_own_vocabulary_is_ignored(corpor
         "--vocab-size)"
     ) in out.splitlines(), out
     line = error_line(out)
-    assert code == 2 and "vocabulary of 270 tokens of --tokenizer-type GPT2BPETokenizer (--vocab-file)" in line
-    assert "give the --vocab-file the data was tokenized with" in line, line
+    assert code == 2 and "vocabulary of 270 tokens of --tokenizer-type GPT2BPETokenizer" in line
+    assert "(--vocab-file); " in line and "give the --vocab-file the data was tok" in line, line
 
 
 def test_a_rewritten_bin_is_scanned_again_and_a_read_only_directory_is_not_cached(
@@ -109,6 +109,11 @@ def test_a_rewritten_bin_is_scanned_again_and_a_read_only_directory_is_not_cache
 
     def read_only(path, data):
         raise PermissionError(13, "Permission denied", path)
+
+    signed = str(tmp_path / "signed")
+    with IndexedDatasetWriter(signed, np.int32) as writer:
+        writer.add_document([4, -1, 70000])
+    assert token_range(signed) == (-1, 70000)  # a negative id is caught as well
 
     os.remove(sidecar_path(prefix))
     monkeypatch.setattr(token_range_module, "write_bytes_atomic", read_only)
