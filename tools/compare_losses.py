@@ -9,6 +9,8 @@ reference over the iterations both logged, and the first and last loss.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 from megadyn.training.metrics_log import iterations, read_metrics
@@ -34,5 +36,23 @@ def main(paths: list[str]) -> None:
         )
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tools/compare_losses.py",
+        description="Compare the per-iteration lm loss of runs against a reference run: for "
+        "each run, the iterations in common, the first and last loss and the largest relative "
+        "difference from the reference.",
+    )
+    reference = "the reference run's metrics file (--metrics-file, or <--save>/metrics.jsonl)"
+    parser.add_argument("reference", help=reference)
+    parser.add_argument("runs", nargs="*", metavar="run", help="metrics files to compare with it")
+    args = parser.parse_args(argv)
+    for path in [args.reference, *args.runs]:
+        if not os.path.isfile(path):
+            parser.error(f"{path}: no such metrics file")
+    return args
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = parse_args(sys.argv[1:])
+    main([args.reference, *args.runs])

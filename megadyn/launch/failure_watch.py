@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megadyn.core import c10d_compat
 from megadyn.launch import failures, torchrun_env
+from megadyn.launch.console import print_line
 from megadyn.launch.distributed_init import agent_store, attempt_prefix
 
 
@@ -125,7 +126,7 @@ class FailureWatch:
         rank = dist.get_rank()
 
         def stuck() -> None:
-            print(
+            print_line(
                 f" failure watch: rank {rank}: aborting the NCCL communicators after rank(s) "
                 f"{dead} failed did not return in {self.abort_deadline_s:g} s; exiting with "
                 f"status {self.abort_exit} so that the restart path takes over",

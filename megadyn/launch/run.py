@@ -33,7 +33,7 @@ from megadyn.launch.failure_watch import FailureWatch
 from megadyn.launch.replan import config_for_world
 from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapshot
 from megadyn.launch.watchdog import Watchdog
-from megadyn.training.arguments import distributed_timeout
+from megadyn.training.arguments import distributed_timeout, ignored_vocab_size
 from megadyn.training.config import MegadynConfig
 from megadyn.training.hetero_config import first_layout
 from megadyn.training.state import TrainingState
@@ -132,6 +132,14 @@ def step_hooks(cfg: MegadynConfig, watchdog: Watchdog | None, last_hook=None) ->
     return hooks
 
 
+def start_line(world: int, members: int, layout, device) -> str:
+    """The job's first line: its processes, how many of them the layout holds (the rest wait
+    as standby processes), the layout and the device."""
+    standby = world - members
+    held = f" ({members} in the layout, {standby} standby)" if standby else ""
+    return f" megadyn: {world} processes{held}, {layout_line(layout, device)}"
+
+
 def layout_line(layout, device) -> str:
     """The start line's layout and device: degrees, or replicas (--heterogeneous-pipelines)."""
     if isinstance(layout, HeteroLayout):
@@ -207,8 +215,10 @@ def run(
     groups = build_groups(layout, job_members(layout, range(dist.get_world_size())),
                           timeout=cfg.parallel.distributed_timeout)  # fmt: skip
     if dist.get_rank() == 0:
-        print(f" megadyn: {dist.get_world_size()} processes, {layout_line(layout, device)}",
+        print(start_line(dist.get_world_size(), len(groups.grid.members), layout, device),
               flush=True)  # fmt: skip
+        if ignored := ignored_vocab_size(cfg.data):
+            print(ignored, flush=True)
     trainer = None
     if controller is not None:
         controller.members = list(groups.grid.members)

@@ -45,6 +45,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megadyn.launch import startup, torchrun_env
+from megadyn.launch.console import print_line
 from megadyn.launch.distributed_init import agent_store, attempt_prefix
 
 WATCHED = 16
@@ -93,7 +94,9 @@ def read_previous_attempt(store, attempt: int) -> PreviousAttempt | None:
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, world: int, timeout: float, restart: int, print_fn=print):
+    def __init__(
+        self, store, rank: int, world: int, timeout: float, restart: int, print_fn=print_line
+    ):
         """Use `Watchdog.start`; `store` is a client of the agent's store (not shared with the
         process group: this rank's thread uses it alone)."""
         self.rank, self.world, self.timeout, self.restart = rank, world, timeout, restart
@@ -111,7 +114,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="megadyn-heartbeat", daemon=True)
 
     @classmethod
-    def start(cls, timeout: float, print_fn=print) -> Watchdog | None:
+    def start(cls, timeout: float, print_fn=print_line) -> Watchdog | None:
         """Start this rank's heartbeats (and, with `timeout` > 0, the silence check); None when
         the job does not run under torchrun's elastic agent (nothing would restart it)."""
         restart = torchrun_env.current().restart_count

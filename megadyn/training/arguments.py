@@ -413,7 +413,21 @@ def _vocab_size(data: DataConfig) -> int:
         return data.vocab_size + 1  # Megatron's NullTokenizer appends an end-of-document token
     if data.tokenizer_type == "GPT2BPETokenizer":
         return GPT2_VOCAB_SIZE
-    return data.vocab_size or GPTConfig.vocab_size
+    if data.tokenizer_type in (None, "NullTokenizer"):
+        return data.vocab_size or GPTConfig.vocab_size
+    return GPTConfig.vocab_size  # the tokenizer's own, once loaded
+
+
+def ignored_vocab_size(data: DataConfig) -> str | None:
+    """The line that says --vocab-size is ignored: only NullTokenizer takes it, the others have
+    their own vocabulary (Megatron-LM ignores it the same way); None when nothing is ignored."""
+    if data.vocab_size is None or data.tokenizer_type in (None, "NullTokenizer"):
+        return None
+    return (
+        f" megadyn: --vocab-size {data.vocab_size} is ignored: --tokenizer-type "
+        f"{data.tokenizer_type} has its own vocabulary, which the model uses (as in Megatron-LM, "
+        "only NullTokenizer takes --vocab-size)"
+    )
 
 
 def dump_args(cfg: MegadynConfig) -> dict[str, Any]:

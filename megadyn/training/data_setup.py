@@ -19,8 +19,17 @@ from megadyn.data import (
     TokenBudgetLoader,
     build_gpt_datasets,
     build_tokenizer,
+    parse_data_path,
 )
-from megadyn.training.config import MegadynConfig
+from megadyn.data.indexed_dataset import bin_path
+from megadyn.data.token_range import token_range
+from megadyn.training.config import ConfigError, DataConfig, MegadynConfig
+
+VOCABULARY_FLAGS = {
+    "NullTokenizer": "--vocab-size",
+    "GPT2BPETokenizer": "--vocab-file",
+}
+"""The flag that sets each tokenizer's vocabulary (--tokenizer-model for the others)."""
 
 
 @dataclass
@@ -50,6 +59,8 @@ def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
     num_samples = (t.train_samples or iters * gbs, valid_samples, 0)
 
     def build():
+        if not d.mock_data:
+            check_token_ids(d, tokenizer.vocab_size)
         return build_gpt_datasets(
             list(d.data_path) if d.data_path else None,
             d.split,
@@ -77,6 +88,30 @@ def build_datasets(cfg: MegadynConfig, group=None) -> Datasets:
         tokenizer.eod, cfg.model.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss
     )
     return Datasets(tokenizer, train, valid, documents if documents.active else None)
+
+
+def check_token_ids(data: DataConfig, vocab_size: int) -> None:
+    """Every token id of every --data-path file lies in [0, vocab_size): else a ConfigError
+    naming the file, its largest id, the vocabulary and the flag that sets it (before the
+    first step's embedding lookup fails). Each .bin is scanned once (token_range.py)."""
+    for prefix in parse_data_path(data.data_path)[0]:
+        found = token_range(prefix)
+        if found is None or (found[0] >= 0 and found[1] < vocab_size):
+            continue
+        tokenizer = data.tokenizer_type or "NullTokenizer"
+        flag = VOCABULARY_FLAGS.get(tokenizer, "--tokenizer-model")
+        if found[0] < 0:
+            raise ConfigError(f"--data-path {bin_path(prefix)}: negative token id {found[0]}")
+        advice = (
+            f"give --vocab-size {found[1]} or more" if tokenizer == "NullTokenizer"
+            else f"give the {flag} the data was tokenized with"
+        )  # fmt: skip
+        raise ConfigError(
+            f"--data-path {bin_path(prefix)}: token id {found[1]} is beyond the vocabulary of "
+            f"{vocab_size} tokens of --tokenizer-type {tokenizer} ({flag}); the data was "
+            f"tokenized with a larger vocabulary: {advice}, or tokenize it again with "
+            "tools/preprocess_data.py"
+        )
 
 
 def build_loader(

@@ -10,6 +10,7 @@ import torch
 
 from megadyn.training.metrics import (
     IterationStats,
+    device_peak_tflops,
     format_iteration_line,
     mfu,
     model_flops_per_iteration,
@@ -42,6 +43,7 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
         if trainer.device.type == "cuda"
         else None
     )
+    device_peak = device_peak_tflops(trainer.device)
     stats = IterationStats(
         iteration=s.iteration,
         train_iters=trainer.train_iters,
@@ -56,7 +58,7 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
         nan_iterations=s.nan_iterations,
         tflops_per_gpu=tflops,
         tokens_per_sec=gbs * seq_length * iters / seconds,
-        mfu=mfu(tflops),
+        mfu=None if device_peak is None else mfu(tflops, device_peak),
         peak_mem_gib=peak,
     )
     line = format_iteration_line(stats, log_throughput=cfg.logging.log_throughput)

@@ -36,9 +36,24 @@ H100_BF16_PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100 SXM (and H200), in TFLOP/s."""
 
 
+PEAK_TFLOPS_BY_NAME = {"H100": H100_BF16_PEAK_TFLOPS, "H200": H100_BF16_PEAK_TFLOPS}
+"""Dense bf16 peaks of the GPUs MFU is measured against, by a part of the device's name."""
+
+
 def mfu(tflops_per_gpu: float, peak: float = H100_BF16_PEAK_TFLOPS) -> float:
     """Model FLOPs utilization, a fraction of `peak` (TFLOP/s per GPU)."""
     return tflops_per_gpu / peak
+
+
+def device_peak_tflops(device) -> float | None:
+    """The dense bf16 peak of `device` (a torch.device), in TFLOP/s; None on a CPU or a GPU
+    not in PEAK_TFLOPS_BY_NAME, where the iteration line then shows no MFU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((p for part, p in PEAK_TFLOPS_BY_NAME.items() if part in name), None)
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,8 @@ def format_iteration_line(
     """Megatron's training_log line, then megadyn's tokens/s, MFU and peak memory.
 
     As in Megatron, the "throughput per GPU (TFLOP/s/GPU)" field is there only with
-    `log_throughput` (--log-throughput); tokens/s and MFU are always there.
+    `log_throughput` (--log-throughput); tokens/s is always there, MFU where the device's
+    peak is known (device_peak_tflops).
     """
     st = stats
     line = f" [{(now or datetime.now()).strftime('%Y-%m-%d %H:%M:%S')}]"

@@ -13,7 +13,6 @@ from megadyn.training.metrics import IterationStats
 from megadyn.training.metrics_log import MetricsLog, iterations, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = REPO / "tools"
 
 
 def stats(it: int, loss: float, **kw) -> IterationStats:
@@ -78,20 +77,32 @@ def test_records_are_appended_and_a_cut_line_is_passed_over(tmp_path):
     json.loads(lines[-1])  # each complete line is one JSON object
 
 
-def test_compare_losses_reads_metrics_files(tmp_path, capsys):
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    """A tool of tools/ run as a user runs it, on this tree's megadyn."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_compare_losses_reads_metrics_files(tmp_path):
     ref, other = MetricsLog(str(tmp_path / "ref.jsonl")), MetricsLog(str(tmp_path / "o.jsonl"))
     for it, loss in enumerate([4.0, 3.0, 2.0], start=1):
         ref.iteration(stats(it, loss))
         other.iteration(stats(it, loss * (1.01 if it == 2 else 1.0)))
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import compare_losses
-    finally:
-        sys.path.remove(str(TOOLS))
-    compare_losses.main([ref.path, other.path])
-    rows = capsys.readouterr().out.splitlines()
-    assert rows[1].split()[1:] == ["3", "4.0000", "2.0000", "0.00e+00"]
+    done = run_tool("tools/compare_losses.py", ref.path, other.path)
+    rows = done.stdout.splitlines()
+    assert done.returncode == 0 and rows[1].split()[1:] == ["3", "4.0000", "2.0000", "0.00e+00"]
     assert rows[2].split()[1:] == ["3", "4.0000", "2.0000", "1.00e-02"]
+
+    help_text = run_tool("tools/compare_losses.py", "--help")
+    assert help_text.returncode == 0 and help_text.stdout.startswith(
+        "usage: tools/compare_losses.py [-h] reference [run ...]"
+    ), help_text.stdout + help_text.stderr
+    missing = run_tool("tools/compare_losses.py", ref.path, str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and missing.stderr.splitlines()[-1] == (
+        f"tools/compare_losses.py: error: {tmp_path / 'nope.jsonl'}: no such metrics file"
+    ), missing.stderr
 
 
 def test_plot_run_reads_metrics_and_writes_png(tmp_path):
@@ -108,13 +119,7 @@ def test_plot_run_reads_metrics_and_writes_png(tmp_path):
             metrics.iteration(stats(9, 4.1, tokens_per_sec=1009.0))
             metrics.iteration(stats(10, 4.0, tokens_per_sec=1010.0))
     out = tmp_path / "run.png"
-    done = subprocess.run(
-        [sys.executable, "tools/plot_run.py", metrics.path, "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},  # this tree's megadyn
-        capture_output=True,
-        text=True,
-    )
+    done = run_tool("tools/plot_run.py", metrics.path, "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "20 iterations, 2 reconfigurations" in done.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
