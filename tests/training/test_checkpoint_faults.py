@@ -71,6 +71,21 @@ def overwrite(path: str) -> None:
         f.write(bytes(range(256)) * (size // 256) + bytes(size % 256))
 
 
+def without_checksums(directory: str) -> None:
+    """megadyn.json as megadyn wrote it before checksums were recorded."""
+    with open(os.path.join(directory, "megadyn.json")) as f:
+        meta = json.load(f)
+    del meta["checksums"]
+    with open(os.path.join(directory, "megadyn.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def overwrite_unrecorded(path: str) -> None:
+    """`overwrite` in a checkpoint without checksums: only decoding the bytes finds it."""
+    overwrite(path)
+    without_checksums(os.path.dirname(path))
+
+
 def damaged_copy(saved, tmp_path, damage) -> tuple[str, str]:
     """A copy of the saved run whose newest checkpoint has one shard damaged; (root, shard)."""
     root = str(tmp_path / "damaged")
@@ -88,7 +103,12 @@ def error_line(err) -> str:
 
 
 @pytest.mark.parametrize(
-    "damage,what", [(truncate, r"is short by \d+ bytes"), (overwrite, "is unreadable")]
+    "damage,what",
+    [
+        (truncate, r"is short by \d+ bytes"),
+        (overwrite, "fails its checksum in tensor"),
+        (overwrite_unrecorded, "is unreadable"),
+    ],
 )
 def test_a_damaged_newest_checkpoint_is_an_error_naming_the_file(saved, tmp_path, damage, what):
     root, shard = damaged_copy(saved, tmp_path, damage)
@@ -177,11 +197,7 @@ def test_bytes_changed_inside_a_tensor_fail_the_load_naming_file_and_tensor(save
 def test_a_checkpoint_saved_without_checksums_loads_unverified(saved, tmp_path, capfd):
     root, _ = damaged_copy(saved, tmp_path, None)
     older = os.path.join(root, "iter_0000003")
-    with open(os.path.join(older, "megadyn.json")) as f:
-        meta = json.load(f)
-    del meta["checksums"]  # as megadyn wrote it before checksums were recorded
-    with open(os.path.join(older, "megadyn.json"), "w") as f:
-        json.dump(meta, f)
+    without_checksums(older)
     close(train(1, "--load", older), saved[1][3:])
     out = capfd.readouterr().out
     assert f"{older}: not verified (saved before megadyn recorded checksums)" in out, out
