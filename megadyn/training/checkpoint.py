@@ -13,8 +13,9 @@ copies, the tied embedding on the last stage) are written once.
 A save writes into a hidden directory and is renamed into place by rank 0 only after every
 rank finished; the tracker file moves after that. A process killed mid-save leaves the previous
 checkpoint as the latest. A load checks every item it reads against the recorded checksums
-(a checkpoint saved before they were recorded loads unverified, and says so). Which directory `--load` names, and whether it is complete, is
-checkpoint_dirs.py (its names are importable from here too).
+(a checkpoint saved before they were recorded loads unverified, and says so). Which directory
+`--load` names, and whether it is complete, is checkpoint_dirs.py (its names are importable
+from here too).
 """
 
 from __future__ import annotations
@@ -54,12 +55,7 @@ from megadyn.training.checkpoint_items import (
     rng_items,
     set_rng_items,
 )
-from megadyn.training.checkpoint_reader import (
-    CheckpointError,
-    dcp,
-    failure_of,
-    parallel_reader,
-)
+from megadyn.training.checkpoint_reader import CheckpointError, dcp, parallel_reader
 
 __all__ = [  # with the directory names and checks of checkpoint_dirs.py
     "METADATA",
@@ -272,12 +268,12 @@ def read_checkpoint(
             warnings.simplefilter("ignore")
             dcp().load(items, storage_reader=reader, process_group=groups.members_group)
     except (Exception, dcp().api.CheckpointException) as e:  # DCP wraps file errors per rank
-        damaged = failure_of(e)
+        # every rank gets every rank's failure: each says the same
+        failures = sorted(getattr(e, "failures", {0: (e, None)}).items())
+        damaged = next((x for _, (x, _) in failures if isinstance(x, CheckpointError)), None)
         if damaged is not None:  # the reader named the file (and left torch's message out)
             hint = older_hint(path) if flag == "--load" else ""
             raise CheckpointError(f"{flag} {path}: {damaged}.{hint}") from None
-        # every rank gets every rank's failure: each says the same
-        failures = sorted(getattr(e, "failures", {0: (e, None)}).items())
         said = "; ".join(
             f"rank {rank}: {type(x).__name__}: {(str(x).splitlines() or [''])[0]}"
             for rank, (x, _) in failures
