@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,10 @@ from megadyn.convert.errors import ConversionError
 from megadyn.convert.hf_files import read_json
 from megadyn.models.config import GPTConfig
 from megadyn.models.sharding import ParamSpec, param_specs
+from megadyn.training import checksums
 from megadyn.training.checkpoint_dirs import STATE_FILE, TRACKER, iter_dir, latest_checkpoint
 from megadyn.training.checkpoint_items import OPTIM_KEYS
+from megadyn.training.checkpoint_reader import CheckpointError
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -58,7 +61,9 @@ def _stored_view(spec: ParamSpec) -> tuple[int, ...]:
 
 
 def open_checkpoint(path: str, flag: str = "--load-dir") -> MegadynCheckpoint:
-    """The checkpoint at `path` (root or iter dir), checked against its own args."""
+    """The checkpoint at `path` (root or iter dir), checked against its own args and against
+    the checksums recorded when it was saved (a checkpoint without them is said to be
+    unverified, on stderr)."""
     found = path
     if not os.path.isfile(os.path.join(path, ".metadata")):
         found = latest_checkpoint(path, flag) if os.path.isdir(path) else None
@@ -74,7 +79,22 @@ def open_checkpoint(path: str, flag: str = "--load-dir") -> MegadynCheckpoint:
         raise ConversionError(f"{os.path.join(found, '.metadata')}: unreadable ({e})") from e
     cfg = config_from_args(meta.get("args") or {}, stored, found)
     check_model_tensors(cfg, stored, found)
+    verify(found, meta, flag)
     return MegadynCheckpoint(found, meta, cfg, stored)
+
+
+def verify(path: str, meta: dict[str, Any], flag: str) -> None:
+    """Check every stored item of the checkpoint directory `path` against its checksums."""
+    try:
+        expected = checksums.Expected.of(meta)
+        if expected is None:
+            print(
+                f"{path}: not verified (saved before megadyn recorded checksums)", file=sys.stderr
+            )
+        else:
+            expected.verify(path)
+    except (CheckpointError, ValueError, OSError) as e:
+        raise ConversionError(f"{flag} {path}: {e}") from None
 
 
 def config_from_args(args: dict[str, Any], stored: dict[str, Any], source: str) -> GPTConfig:
@@ -160,8 +180,11 @@ def write_checkpoint(
     os.makedirs(path, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(items, checkpoint_id=path, no_dist=True)
-    write_meta(path, dict(meta, iteration=iteration))
+        metadata = dcp.save(items, checkpoint_id=path, no_dist=True)
+    sums, _ = checksums.record(path, metadata, rank=0)
+    write_meta(
+        path, dict(meta, iteration=iteration, **{checksums.CHECKSUMS: checksums.manifest([sums])})
+    )
     with open(os.path.join(root, TRACKER), "w") as f:
         f.write(str(iteration))
     return path

@@ -100,7 +100,8 @@ class SnapshotKeeper(StepHook):
         path = pending.finish()
         if trainer.logs:
             trainer.print(
-                f" in-memory snapshot {path} complete at iteration {trainer.state.iteration}",
+                f" in-memory snapshot {path} complete at iteration {trainer.state.iteration} "
+                f"(checksum_s {pending.checksum_s:.2f})",
                 flush=True,
             )
 
@@ -171,7 +172,7 @@ def _load_snapshot(trainer, found, root: str, say) -> None:
     start = time.perf_counter()
 
     def read_snapshot():  # its collectives use the gloo members group
-        return trainer.read(path), time.perf_counter() - start
+        return trainer.read(path, flag="recovery: in-memory snapshot"), time.perf_counter() - start
 
     with ThreadPoolExecutor(1, thread_name_prefix="megadyn-resume") as pool:
         reading = pool.submit(read_snapshot)

@@ -1,7 +1,8 @@
 """Layout-free checkpoints through torch.distributed.checkpoint (DCP): save and load.
 
     <save>/iter_0000100/__*.distcp, .metadata   weights, fp32 main weights, Adam moments, RNG
-    <save>/iter_0000100/megadyn.json            iteration, consumed samples, scheduler, args
+    <save>/iter_0000100/megadyn.json            iteration, consumed samples, scheduler, args,
+                                                the checksum of every stored item (checksums.py)
     <save>/latest_checkpointed_iteration.txt    the newest complete checkpoint (moved last)
 
 Every tensor is stored under its global name and global shape (megadyn/models/sharding.py),
@@ -11,8 +12,10 @@ copies, the tied embedding on the last stage) are written once.
 
 A save writes into a hidden directory and is renamed into place by rank 0 only after every
 rank finished; the tracker file moves after that. A process killed mid-save leaves the previous
-checkpoint as the latest. Which directory `--load` names, and whether it is complete, is
-checkpoint_dirs.py (its names are importable from here too).
+checkpoint as the latest. A load checks every item it reads against the recorded checksums
+(a checkpoint saved before they were recorded loads unverified, and says so). Which directory
+`--load` names, and whether it is complete, is checkpoint_dirs.py (its names are importable
+from here too).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.hetero_layout import layout_to_dict
+from megadyn.training import checksums
 from megadyn.training.checkpoint_dirs import (
     METADATA,
     STATE_FILE,
@@ -84,20 +89,28 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 class PendingSave:
-    """A save whose files are being written; `finish()` makes it the latest checkpoint."""
+    """A save whose files are being written; `finish()` makes it the latest checkpoint.
+    Once finished, `seconds` is the time from its start and `checksum_s` the part of it that
+    the slowest rank spent checksumming its files."""
 
     def __init__(self, root, iteration, tmp, meta, future, keep_last, group, leader):
         self.root, self.iteration, self.tmp, self.meta = root, iteration, tmp, meta
         self.future, self.keep_last, self.group = future, keep_last, group
         self.leader = leader
+        self.written: tuple[dict, float] | None = None  # a synchronous save's (sums, seconds)
+        self.started, self.seconds, self.checksum_s = time.perf_counter(), 0.0, 0.0
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
 
     def finish(self) -> str:
-        if self.future is not None:
-            self.future.result()
-        dist.barrier(group=self.group)
+        written = self.future.result() if self.future is not None else self.written
+        every: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, written, group=self.group)  # every rank's files written
+        self.meta = dict(
+            self.meta, **{checksums.CHECKSUMS: checksums.manifest([s for s, _ in every])}
+        )
+        self.checksum_s = max(seconds for _, seconds in every)
         final = iter_dir(self.root, self.iteration)
         if self.leader:
             _atomic_write(os.path.join(self.tmp, STATE_FILE), json.dumps(self.meta, indent=1))
@@ -107,6 +120,7 @@ class PendingSave:
             _atomic_write(os.path.join(self.root, TRACKER), str(self.iteration))
             _prune(self.root, self.keep_last)
         dist.barrier(group=self.group)
+        self.seconds = time.perf_counter() - self.started
         return final
 
 
@@ -164,12 +178,10 @@ def save_checkpoint(
     meta = dict(meta, iteration=iteration, layout=layout_to_dict(groups.layout))
     if async_save:
         future = _BACKGROUND.submit(_save, items, tmp, group, after_write, copied, in_host_memory)
-    else:
-        _save(items, tmp, group, after_write, None, in_host_memory)
-        future = None
-    pending = PendingSave(root, iteration, tmp, meta, future, keep_last, group, leader)
-    if not async_save:
-        pending.finish()
+        return PendingSave(root, iteration, tmp, meta, future, keep_last, group, leader)
+    pending = PendingSave(root, iteration, tmp, meta, None, keep_last, group, leader)
+    pending.written = _save(items, tmp, group, after_write, None, in_host_memory)
+    pending.finish()
     return pending
 
 
@@ -181,7 +193,9 @@ READ_THREADS = 8
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megadyn-ckpt")
 
 
-def _save(items, path, group, after_write, copied, in_host_memory: bool) -> None:
+def _save(items, path, group, after_write, copied, in_host_memory: bool) -> tuple[dict, float]:
+    """Write this rank's items into `path`; returns the checksums of its files and the seconds
+    they took (checksums.record)."""
     if copied is not None:  # the device-to-host copies into the staging buffers
         copied.synchronize()
     if in_host_memory:  # files in shared memory: several writers, nothing to fsync
@@ -190,9 +204,11 @@ def _save(items, path, group, after_write, copied, in_host_memory: bool) -> None
         writer = dcp().FileSystemWriter(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp().save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
+        metadata = dcp().save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
+    written = checksums.record(path, metadata, dist.get_rank(group))
     if after_write is not None:
         after_write(path)
+    return written
 
 
 @dataclasses.dataclass
@@ -204,6 +220,11 @@ class ReadCheckpoint:
     items: dict
     has_optim: bool
     rng: bool
+    verified: bool = False
+    """The items were checked against the checksums recorded at save (absent in older ones)."""
+    seconds: float = 0.0
+    checksum_s: float = 0.0
+    """The part of `seconds` spent on checksums, summed over the reader threads."""
 
 
 def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rng=True) -> dict:
@@ -215,20 +236,26 @@ def load_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
     return apply_checkpoint(read, chunks, optimizer, groups)
 
 
-def read_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rng=True):
+def read_checkpoint(
+    path, chunks, optimizer, groups, *, load_optim=True, load_rng=True, flag="--load"
+):
     """Read `path` into fresh tensors shaped for this rank (the model is not touched, so this
-    may run in a thread beside work on the model; its collectives use the members group)."""
-    found = find_checkpoint(path)
+    may run in a thread beside work on the model; its collectives use the members group),
+    checking each item against the checksums recorded at save. Errors are led by `flag`, what
+    named `path` (an in-memory snapshot, say)."""
+    start = time.perf_counter()
+    found = find_checkpoint(path, flag)
     if found is None:
-        raise CheckpointError(f"--load {path}: no checkpoint there (no {TRACKER}, no iter_*)")
+        raise CheckpointError(f"{flag} {path}: no checkpoint there (no {TRACKER}, no iter_*)")
     path = found
     try:
         with open(os.path.join(path, STATE_FILE)) as f:
             meta = json.load(f)
-        reader = parallel_reader(path, threads=READ_THREADS)
+        expected = checksums.Expected.of(meta)
+        reader = parallel_reader(path, threads=READ_THREADS, expected=expected)
         metadata = reader.read_metadata()
     except (OSError, ValueError, EOFError) as e:
-        raise CheckpointError(f"--load {path}: checkpoint is unreadable ({e})") from e
+        raise CheckpointError(f"{flag} {path}: checkpoint is unreadable ({e})") from e
     stored = metadata.state_dict_metadata
     has_optim = load_optim and optimizer is not None and any(k.startswith("optim.") for k in stored)
     items = local_items(chunks, groups, optimizer if has_optim else None, empty=True)
@@ -245,13 +272,17 @@ def read_checkpoint(path, chunks, optimizer, groups, *, load_optim=True, load_rn
         failures = sorted(getattr(e, "failures", {0: (e, None)}).items())
         damaged = next((x for _, (x, _) in failures if isinstance(x, CheckpointError)), None)
         if damaged is not None:  # the reader named the file (and left torch's message out)
-            raise CheckpointError(f"--load {path}: {damaged}.{older_hint(path)}") from None
+            hint = older_hint(path) if flag == "--load" else ""
+            raise CheckpointError(f"{flag} {path}: {damaged}.{hint}") from None
         said = "; ".join(
             f"rank {rank}: {type(x).__name__}: {(str(x).splitlines() or [''])[0]}"
             for rank, (x, _) in failures
         )
-        raise CheckpointError(f"--load {path}: reading the checkpoint failed ({said})") from e
-    return ReadCheckpoint(path, meta, items, has_optim, bool(rng))
+        raise CheckpointError(f"{flag} {path}: reading the checkpoint failed ({said})") from e
+    seconds = time.perf_counter() - start
+    return ReadCheckpoint(
+        path, meta, items, has_optim, bool(rng), expected is not None, seconds, reader.checksum_s
+    )
 
 
 def apply_checkpoint(read: ReadCheckpoint, chunks, optimizer, groups) -> dict:

@@ -3,7 +3,9 @@
 Each thread deserializes its items and copies them to the device; in parallel, loading a
 snapshot from host memory is bound by memory bandwidth rather than by one thread's work. A file
 whose bytes do not decode is a `CheckpointError` naming the file (torch's own message would
-advise loading it with `weights_only=False`).
+advise loading it with `weights_only=False`). Given the checkpoint's recorded checksums
+(checksums.py), each item's bytes are checked as they are read; `checksum_s` is the time that
+took, summed over the threads.
 
 torch.distributed.checkpoint is imported at first use (`dcp()`): its import takes seconds, which
 a restarted process spends beside its start instead (pretrain_gpt.py, startup.import_beside).
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -33,9 +38,10 @@ def dcp():
     return torch.distributed.checkpoint
 
 
-def parallel_reader(path: str, threads: int):
-    """A DCP storage reader of `path` reading a rank's files in up to `threads` threads."""
-    return _reader_class()(path, threads)
+def parallel_reader(path: str, threads: int, expected=None):
+    """A DCP storage reader of `path` reading a rank's files in up to `threads` threads and
+    checking each item against `expected` (a checksums.Expected; None: not checked)."""
+    return _reader_class()(path, threads, expected)
 
 
 def why_unreadable(err: BaseException) -> str:
@@ -53,9 +59,28 @@ def _reader_class():
     class ParallelFileSystemReader(dcp().FileSystemReader):
         """DCP's file reader, reading a rank's items in parallel threads."""
 
-        def __init__(self, path: str, threads: int):
+        def __init__(self, path: str, threads: int, expected=None):
             super().__init__(path)
-            self.threads = threads
+            self.threads, self.expected = threads, expected
+            self._checksum_s, self._lock = 0.0, threading.Lock()
+
+        @property
+        def checksum_s(self) -> float:
+            """Seconds spent checking checksums, summed over the reader threads."""
+            return self._checksum_s
+
+        def _slice_file(self, file, sinfo):
+            # DCP's FileSystemReader reads each stored item through this (a private method;
+            # tests/training/test_checkpoint_faults.py fails if a torch release stops calling it)
+            if self.expected is None:
+                return super()._slice_file(file, sinfo)
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            start = time.perf_counter()
+            self.expected.check(str(self.path), sinfo.relative_path, sinfo.offset, data)
+            with self._lock:
+                self._checksum_s += time.perf_counter() - start
+            return io.BytesIO(data)
 
         def _length(self, item) -> int:
             return self.storage_data[item.storage_index].length
@@ -70,6 +95,8 @@ def _reader_class():
                 try:
                     read = super().read_data(dataclasses.replace(plan, items=file_items), planner)
                     read.wait()
+                except CheckpointError:
+                    raise  # the checksum names the file and the tensor
                 except Exception as e:  # noqa: BLE001 - any decode error: the file is damaged
                     path = os.path.join(str(self.path), name)
                     raise CheckpointError(f"{path} is unreadable: {why_unreadable(e)}") from None

@@ -37,7 +37,9 @@ class TrainerCheckpoints:
             keep_last=c.keep_last,
             async_save=c.async_save,
         )
-        if self.logs:
+        if self._pending.future is None:
+            self._said_saved(self._pending)
+        elif self.logs:
             self.print(
                 f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
             )
@@ -46,14 +48,23 @@ class TrainerCheckpoints:
         """Wait for an asynchronous save still being written."""
         if self._pending is not None and self._pending.future is not None:
             self._pending.finish()
+            self._said_saved(self._pending)
         self._pending = None
+
+    def _said_saved(self, done: ckpt.PendingSave) -> None:
+        if self.logs:
+            self.print(
+                f" saved checkpoint at iteration {done.iteration} to {done.root} in "
+                f"{done.seconds:.2f} s (checksum_s {done.checksum_s:.2f})",
+                flush=True,
+            )
 
     def load(self, path: str) -> None:
         self.adopt(self.read(path))
 
-    def read(self, path: str) -> ckpt.ReadCheckpoint:
+    def read(self, path: str, flag: str = "--load") -> ckpt.ReadCheckpoint:
         """Read a checkpoint or snapshot for this layout without touching the model (so it may
-        run in a thread beside megadyn/launch/warm_up.py)."""
+        run in a thread beside megadyn/launch/warm_up.py); errors are led by `flag`."""
         c = self.cfg.checkpoint
         return ckpt.read_checkpoint(
             path,
@@ -62,6 +73,7 @@ class TrainerCheckpoints:
             self.groups,
             load_optim=not (c.no_load_optim or c.finetune),
             load_rng=not c.no_load_rng,
+            flag=flag,
         )
 
     def adopt(self, read: ckpt.ReadCheckpoint) -> None:
@@ -76,10 +88,17 @@ class TrainerCheckpoints:
             progress=not c.finetune and "state" in meta,
             optimizer=meta["optim_restored"],
         )
-        if self.logs:
+        if not self.logs:
+            return
+        if not read.verified:
             self.print(
-                f" loaded checkpoint {read.path} at iteration {self.state.iteration} "
-                f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
-                f"RNG {'restored' if meta['rng_restored'] else 'reseeded'})",
+                f" {read.path}: not verified (saved before megadyn recorded checksums)",
                 flush=True,
             )
+        self.print(
+            f" loaded checkpoint {read.path} at iteration {self.state.iteration} "
+            f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
+            f"RNG {'restored' if meta['rng_restored'] else 'reseeded'}) read in "
+            f"{read.seconds:.2f} s (checksum_s {read.checksum_s:.2f})",
+            flush=True,
+        )

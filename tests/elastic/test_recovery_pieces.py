@@ -24,6 +24,7 @@ from recovery_helpers import (  # noqa: E402
 
 from megadyn.launch.snapshots import HostMap, Transfer, choose
 from megadyn.testing import free_port, run_pretrain, spawn
+from megadyn.testing.damage import flip_bytes
 from megadyn.training.checkpoint import latest_checkpoint, missing_pieces
 
 ITERS, INTERVAL = 16, 4
@@ -179,6 +180,18 @@ def test_a_piece_lost_on_every_host_falls_back_to_the_disk_checkpoint(
         f"{run}/disk/iter_0000003" in out
     ), out
     assert losses == pytest.approx(reference[3:], rel=1e-5)
+
+
+def test_bytes_changed_in_a_snapshot_are_refused_naming_the_file(stopped_at_7, tmp_path):
+    """Host a's copy of a weight changed after the save: rank 0 reads it there and the
+    recovery refuses the snapshot, naming the file and the tensor, on every rank."""
+    run = copy_of(stopped_at_7, tmp_path)
+    snapshot = run / "shm" / "a" / "iter_0000006"
+    shard, key = flip_bytes(str(snapshot), "model.")
+    with pytest.raises(RuntimeError) as err:
+        spawn(run_as_host, world=2, args=(two_host_flags(run),))
+    said = f"recovery: in-memory snapshot {snapshot}: {snapshot / shard} fails its checksum"
+    assert f"{said} in tensor {key} " in str(err.value), str(err.value)[-2000:]
 
 
 def test_a_piece_lost_everywhere_without_a_disk_checkpoint_is_an_error(stopped_at_7, tmp_path):

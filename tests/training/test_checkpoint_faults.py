@@ -1,13 +1,18 @@
 """Checkpoints survive a crash mid-save; bad checkpoints give clear errors."""
 
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_training_run import COMMON, close, train  # noqa: E402
 
 from megadyn.testing import run_pretrain, spawn
+from megadyn.testing.damage import flip_bytes
 from megadyn.training.checkpoint import CheckpointError
 from megadyn.training.checkpoint_dirs import (
     TRACKER,
@@ -66,6 +71,21 @@ def overwrite(path: str) -> None:
         f.write(bytes(range(256)) * (size // 256) + bytes(size % 256))
 
 
+def without_checksums(directory: str) -> None:
+    """megadyn.json as megadyn wrote it before checksums were recorded."""
+    with open(os.path.join(directory, "megadyn.json")) as f:
+        meta = json.load(f)
+    del meta["checksums"]
+    with open(os.path.join(directory, "megadyn.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def overwrite_unrecorded(path: str) -> None:
+    """`overwrite` in a checkpoint without checksums: only decoding the bytes finds it."""
+    overwrite(path)
+    without_checksums(os.path.dirname(path))
+
+
 def damaged_copy(saved, tmp_path, damage) -> tuple[str, str]:
     """A copy of the saved run whose newest checkpoint has one shard damaged; (root, shard)."""
     root = str(tmp_path / "damaged")
@@ -83,7 +103,12 @@ def error_line(err) -> str:
 
 
 @pytest.mark.parametrize(
-    "damage,what", [(truncate, r"is short by \d+ bytes"), (overwrite, "is unreadable")]
+    "damage,what",
+    [
+        (truncate, r"is short by \d+ bytes"),
+        (overwrite, "fails its checksum in tensor"),
+        (overwrite_unrecorded, "is unreadable"),
+    ],
 )
 def test_a_damaged_newest_checkpoint_is_an_error_naming_the_file(saved, tmp_path, damage, what):
     root, shard = damaged_copy(saved, tmp_path, damage)
@@ -135,6 +160,48 @@ def test_which_checkpoint_load_names(saved, tmp_path):
         overwrite(os.path.join(older, name))
         with pytest.raises(CheckpointError, match=f"iter_0000003/{re.escape(name)} is unreadable"):
             find_checkpoint(older)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(tool: str, *args: str) -> tuple[int, str]:
+    """Run `python <tool> args` from the repository as a user does; (exit code, output)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("MEGADYN_DEBUG", None)
+    cmd = [sys.executable, tool, *args]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_bytes_changed_inside_a_tensor_fail_the_load_naming_file_and_tensor(saved, tmp_path):
+    """Before: 16 bytes flipped inside a tensor loaded with exit code 0 and other losses."""
+    root, _ = damaged_copy(saved, tmp_path, None)
+    newest = os.path.join(root, "iter_0000006")
+    shard, key = flip_bytes(newest, "optim.decoder.layers.1.mlp.linear_fc1.weight")
+    code, out = cli("pretrain_gpt.py", *COMMON, "--load", root)
+    said = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert code == 2 and len(said) == 1 and "Traceback" not in out, out
+    assert f"--load {newest}: {os.path.join(newest, shard)} fails its checksum" in said[0], out
+    assert f"in tensor {key} " in said[0] and "--ckpt-step 3" in said[0], out
+    # convert_checkpoint.py reads megadyn checkpoints through the same check
+    code, out = cli(
+        "tools/convert_checkpoint.py", "--loader", "megadyn", "--saver", "megadyn",
+        "--load-dir", root, "--save-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    said = f"convert_checkpoint.py: error: --load-dir {newest}: {os.path.join(newest, shard)}"
+    assert code == 2 and f"{said} fails its checksum in tensor {key} " in out, out
+    assert "Traceback" not in out and not os.path.exists(tmp_path / "out"), out
+
+
+def test_a_checkpoint_saved_without_checksums_loads_unverified(saved, tmp_path, capfd):
+    root, _ = damaged_copy(saved, tmp_path, None)
+    older = os.path.join(root, "iter_0000003")
+    without_checksums(older)
+    close(train(1, "--load", older), saved[1][3:])
+    out = capfd.readouterr().out
+    assert f"{older}: not verified (saved before megadyn recorded checksums)" in out, out
+    assert re.search(r"loaded checkpoint .* read in [\d.]+ s \(checksum_s 0\.00\)", out), out
 
 
 def test_model_shape_mismatch_is_a_clear_error(saved):
