@@ -29,6 +29,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -36,7 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from recovery_helpers import LINE, rank_of, run_torchrun, workers_of
+from recovery_helpers import LINE, REPO, rank_of, run_torchrun, workers_of
 
 from megadyn.testing import free_port, run_pretrain, spawn
 
@@ -62,18 +63,19 @@ def reference():
 
 
 def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, str]],
-        env: dict | None = None):  # fmt: skip
+        env: dict | None = None, control_port: int | None = None):  # fmt: skip
     """Run one job; `signals`: (rank, at iteration, signal name) sent in turn, each once the
     log shows that iteration and every earlier signal's recovery, and the rank's own record
     shows it (sent at once on the log line, the signal could land in the victim's last step
     after its collectives but before its record, which would then miss that step's samples);
-    `env`: more environment for the workers (recover_worker.py)."""
+    `env`: more environment for the workers (recover_worker.py); `control_port`: the job's
+    --elastic-control-port (default: a free one)."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "megadyn.launch", "--nproc-per-node", str(nproc),
            "--max-restarts", "0", "--master-port", str(free_port()),
            "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
-           "--elastic-control-port", str(free_port()), *flags]  # fmt: skip
+           "--elastic-control-port", str(control_port or free_port()), *flags]  # fmt: skip
     state = {"iteration": 0, "recoveries": 0, "sent": [], "next": 0}
 
     def recorded(rank: int, iteration: int) -> bool:
@@ -205,6 +207,34 @@ def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
     ((it, old, new, left, repeated, source, first_step_s, total_s),) = recoveries(log)
     assert (old, new, left, source) == ("tp1xpp1xdp3", "tp1xpp1xdp1", "1,2", "replicas")
     assert float(total_s) < 30, total_s  # no wait of the recovery ran to its timeout
+    check_losses(log, reference)
+    check_samples(out)
+
+
+def test_a_request_whose_reconfiguration_a_failure_cut_short(tmp_path, reference):
+    # an operator's layout request is taken at iteration 5; rank 1 dies as the reconfiguration
+    # starts building the new layout. The survivors (rank 0 keeps the control store) recover,
+    # and the request, never answered, is applied after the recovery: tp2 over ranks 0 and 2
+    port = free_port()
+    tool = subprocess.Popen(
+        [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120",
+         "layout", "--tp", "2", "--pp", "1", "--members", "2", "--at-iteration", "5"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        code, log, out = job(tmp_path, 3, [], [], control_port=port,
+                             env={"RECOVER_TEST_IN_RECONFIGURATION": "1:SIGKILL"})  # fmt: skip
+        answer = tool.communicate(timeout=60)[0]
+    finally:
+        tool.kill()
+    assert code == 0, log[-3000:]
+    assert tool.returncode == 0 and '"status": "done"' in answer, answer
+    assert "Traceback" not in answer and "frame #" not in answer, answer
+    ((it, old, new, left, *_),) = recoveries(log)
+    assert (old, left) == ("tp1xpp1xdp3", "1"), log[-3000:]  # new: the planner's for 2
+    assert "request 0 was cut short by the failure; it is applied again" in log, log[-3000:]
+    assert re.search(rf"event: layout \| epoch: \d+ \| iteration: \d+ \| old: {re.escape(new)} "
+                     r"\| new: tp2xpp1xdp1", log), log[-3000:]  # fmt: skip
     check_losses(log, reference)
     check_samples(out)
 
