@@ -11,8 +11,9 @@ Environment: RECOVER_TEST_OUT (the directory for the files); RECOVER_TEST_IN_REC
 n-th recovery starts creating the new layout's groups, after the survivors connected their
 span group: a failure while another one is handled, where the survivors wait on each other;
 RECOVER_TEST_IN_RECONFIGURATION "<rank>:<signal>" (optional): that rank sends itself the signal
-when its first live reconfiguration (an operator's request) starts building the new layout,
-and the leader's first step boundary waits until an operator's request is queued.
+when its first live reconfiguration (an operator's request) starts building the new layout;
+RECOVER_TEST_AWAIT_REQUEST (optional): the leader's first step boundary waits until an
+operator's request is queued.
 """
 
 import json
@@ -69,8 +70,13 @@ def awaiting_a_request(leader_decision):
     """The leader's decision, which at its first call waits until request 0 is queued (the
     operator's tool, started with the job, may connect after a tiny job's last step)."""
 
+    waited = False
+
     def decide(self, trainer):
-        self.channel.store.wait(["request/0"])
+        nonlocal waited
+        if not waited and self.epoch == 0:  # a store hosted anew after a failure is empty
+            self.channel.store.wait(["request/0"])
+            waited = True
         return leader_decision(self, trainer)
 
     return decide
@@ -84,8 +90,9 @@ def run_and_write(argv: list[str]) -> None:
     if os.environ.get("RECOVER_TEST_IN_RECONFIGURATION"):
         spec = os.environ["RECOVER_TEST_IN_RECONFIGURATION"] + ":1"
         controller.build_groups = failing_in(controller.build_groups, spec)
-        ElasticController = controller.ElasticController
-        ElasticController._leader_decision = awaiting_a_request(ElasticController._leader_decision)
+    if os.environ.get("RECOVER_TEST_AWAIT_REQUEST"):
+        leader = controller.ElasticController
+        leader._leader_decision = awaiting_a_request(leader._leader_decision)
     result = main(argv)
     result = dict(result, losses={str(k): v for k, v in result["losses"].items()})
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))

@@ -111,6 +111,24 @@ def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, st
     return code, log, out
 
 
+def job_with_request(tmp_path, nproc, flags, request, signals, env=None):
+    """`job` with `tools/elastic_ctl.py <request>` started beside it (the leader's first step
+    boundary waits until it is queued); also the tool's output and process."""
+    port = free_port()
+    tool = subprocess.Popen(
+        [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120",
+         *request],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    env = {"RECOVER_TEST_AWAIT_REQUEST": "1", **(env or {})}
+    try:
+        code, log, out = job(tmp_path, nproc, flags, signals, env, control_port=port)
+        answer = tool.communicate(timeout=60)[0]
+    finally:
+        tool.kill()
+    return code, log, out, answer, tool
+
+
 def check_losses(log: str, reference: list[float], most_repeated: int = 1) -> None:
     """Every logged loss matches the uninterrupted run; every iteration is logged, at most
     `most_repeated` of them more than once."""
@@ -167,8 +185,20 @@ def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
     ids=["replicated-weights-rank0", "replicated-optimizer-shards"],
 )
 def test_dp2_to_dp1_from_the_replica(tmp_path, reference, flags, victim):
-    code, log, out = job(tmp_path, 2, flags, [(victim, 4, "SIGKILL")])
+    # the control store's host dies with a request queued (never due): the waiting tool
+    # says in one line that the store went away
+    scale = ["scale", "1", "--at-iteration", "1000"]
+    code, log, out, answer, tool = job_with_request(
+        tmp_path, 2, flags, scale, [(victim, 4, "SIGKILL")]
+    )
     assert code == 0, log[-3000:]
+    if victim == 0:
+        assert tool.returncode == 1 and answer.splitlines()[-1].startswith(
+            "the job's control store on 127.0.0.1:"
+        ), answer
+        assert len(answer.splitlines()) == 2 and "frame #" not in answer, answer
+    else:  # the job finished first
+        assert "finished at iteration 14" in answer, answer
     ((it, old, new, left, repeated, source, *_),) = recoveries(log)
     assert (old.split("+")[0], new, left, source) == (
         "tp1xpp1xdp2",
@@ -215,18 +245,9 @@ def test_a_request_whose_reconfiguration_a_failure_cut_short(tmp_path, reference
     # an operator's layout request is taken at iteration 5; rank 1 dies as the reconfiguration
     # starts building the new layout. The survivors (rank 0 keeps the control store) recover,
     # and the request, never answered, is applied after the recovery: tp2 over ranks 0 and 2
-    port = free_port()
-    tool = subprocess.Popen(
-        [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120",
-         "layout", "--tp", "2", "--pp", "1", "--members", "2", "--at-iteration", "5"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        code, log, out = job(tmp_path, 3, [], [], control_port=port,
-                             env={"RECOVER_TEST_IN_RECONFIGURATION": "1:SIGKILL"})  # fmt: skip
-        answer = tool.communicate(timeout=60)[0]
-    finally:
-        tool.kill()
+    env = {"RECOVER_TEST_IN_RECONFIGURATION": "1:SIGKILL"}
+    request = ["layout", "--tp", "2", "--pp", "1", "--members", "2", "--at-iteration", "5"]
+    code, log, out, answer, tool = job_with_request(tmp_path, 3, [], request, [], env)
     assert code == 0, log[-3000:]
     assert tool.returncode == 0 and '"status": "done"' in answer, answer
     assert "Traceback" not in answer and "frame #" not in answer, answer

@@ -42,7 +42,7 @@ def test_requests_in_a_row_with_standby_processes(tmp_path):
          "--master-port", str(master), "pretrain_gpt.py", *TINY,
          "--tensor-model-parallel-size", "2", "--elastic-initial-members", "2",
          "--elastic-layout", "pinned", "--elastic-control-port", str(port),
-         "--exit-signal-handler", "--save", str(tmp_path / "ckpt")],
+         "--exit-signal-handler", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000"],
         cwd=ROOT, env=env, stdout=job_log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     tools = []
