@@ -6,6 +6,8 @@ process of the job connect to it as clients. Keys:
     request/next            id of the next request to write (a counter)
     request/<id>            JSON of an operator request (records.py `Request`)
     request/handled         requests the leaders handled so far
+    request/taken           id of the request whose reconfiguration runs (until answered: after
+                            a failure cuts it short, the leader puts it back in the queue)
     drain/next, drain/<id>, drain/handled, drain/result/<id>
                             the same for drain notices (a process got SIGTERM: drain.py), a
                             queue of their own so that none waits behind an operator request
@@ -15,7 +17,8 @@ process of the job connect to it as clients. Keys:
     epoch/<n>               JSON of reconfiguration n (records.py `Reconfiguration`, or `Finish`
                             at the end; standby processes wait on the next epoch's key)
     rng/<n>/pp<p>/tp<t>     RNG streams handed over in reconfiguration n (rng_handover.py)
-    result/<id>             JSON: {"status": "done"|"refused", "reason": ..., "layout": ...}
+    result/<id>             JSON: {"status": "done"|"refused", "reason": ..., "then": ...,
+                            "layout": ...} ("then": what the job does after a refusal)
     state                   JSON the job publishes for `elastic_ctl.py show`
 
 Only the leader (the first member of the current layout) reads requests; every other process
@@ -33,6 +36,13 @@ import torch.distributed as dist
 from megadyn.elastic.records import Finish, Reconfiguration, Request, epoch_record
 
 NONE = "none"
+UNCHANGED = "the job goes on unchanged"
+"""What the job does after refusing an operator's request (the answer's "then")."""
+TAKEN_KEY = "request/taken"
+
+
+class StoreGone(RuntimeError):
+    """The control store stopped answering: the process hosting it exited or failed."""
 
 
 def connect(
@@ -94,9 +104,13 @@ class ControlChannel:
         return rid
 
     def result(self, rid: int, timeout_s: float, queue: str = "request") -> dict | None:
+        """The answer to request `rid`, None when none came within `timeout_s`; StoreGone
+        when the store closed meanwhile (its host ended: the answer will not come)."""
         try:
             self.store.wait([_result_key(queue, rid)], timedelta(seconds=timeout_s))
-        except Exception:  # noqa: BLE001 - a timeout: no answer yet
+        except dist.DistNetworkError as e:
+            raise StoreGone(str(e)) from None
+        except dist.DistError:  # the wait timed out: no answer yet
             return None
         return _get_json(self.store, _result_key(queue, rid))
 
@@ -118,6 +132,23 @@ class ControlChannel:
 
     def mark_handled(self, rid: int, queue: str = "request") -> None:
         self.store.add(f"{queue}/handled", 1)
+
+    def take(self, rid: int) -> None:
+        """Request `rid` (handled) is being applied: its reconfiguration was published."""
+        self.store.set(TAKEN_KEY, str(rid))
+
+    def requeue_cut_short(self) -> int | None:
+        """After a recovery: the request whose reconfiguration a failure cut short (taken,
+        never answered, the last one handled) is put back at the head of the queue; its id,
+        or None when there is none."""
+        if not self.store.check([TAKEN_KEY]):
+            return None
+        rid = int(self.store.get(TAKEN_KEY))
+        self.store.delete_key(TAKEN_KEY)
+        if self.store.check([_result_key("request", rid)]) or self.handled() != rid + 1:
+            return None
+        self.store.add("request/handled", -1)
+        return rid
 
     def pending_request(self, handled: int, queue: str = "request") -> tuple[int, str] | None:
         """The oldest request with id >= `handled` that was fully written, if any, as its id

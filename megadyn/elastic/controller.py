@@ -15,6 +15,7 @@ to process, without a disk checkpoint.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, poll
-from megadyn.elastic.control import NONE, ControlChannel
+from megadyn.elastic.control import NONE, UNCHANGED, ControlChannel
 from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
 from megadyn.elastic.events import format_event, membership_event, reconfiguration_event
@@ -45,6 +46,7 @@ from megadyn.elastic.records import (
 from megadyn.elastic.recovery import recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
+from megadyn.elastic.watched_store import watching_failures
 
 
 class Released(Exception):
@@ -101,6 +103,7 @@ class ElasticController:
         self.finished = False  # the job's end was reached (finish, or Finish while standby)
         self.members: list[int] = []  # the layout's, known to standby processes too
         self._recovered: tuple[dict, float] | None = None  # its first step is still to time
+        self.recovered_since_boundary = False  # the leader then looks for a request cut short
         self.kept = None  # what the last recovery read from, until its first step ends
         self.events: list[dict] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
@@ -140,6 +143,15 @@ class ElasticController:
         self.apply(self.channel.epoch(decision["epoch"]), trainer)
 
     def _leader_decision(self, trainer: ReshardableTrainer):
+        if self.recovered_since_boundary:  # a request it cut short goes back to the queue
+            self.recovered_since_boundary = False
+            rid = self.channel.requeue_cut_short()
+            if rid is not None:
+                self.print(
+                    f" elastic: request {rid} was cut short by the failure; it is applied "
+                    "again from the queue",
+                    flush=True,
+                )
         drain = self._drain_decision(trainer)  # drain notices first: a grace period runs
         if drain is not None:
             return drain
@@ -166,6 +178,7 @@ class ElasticController:
         rec = reconfiguration(
             trainer, self.epoch + 1, layout, members, release, event=request.action, request=rid
         )
+        self.channel.take(rid)  # until answered: a failure may cut the reconfiguration short
         self.channel.publish_epoch(rec)
         return {"epoch": rec.epoch}
 
@@ -180,7 +193,10 @@ class ElasticController:
                 rank, trainer.model_cfg, self.cfg, trainer.groups, live, cost=self.cost
             )
 
-        return self.drain.decide(trainer, self.cfg, resolve, self.epoch + 1, self.print)
+        recovers = self.failures is not None  # survivors of a process that ends recover
+        return self.drain.decide(
+            trainer, self.cfg, resolve, self.epoch + 1, self.print, recovers=recovers
+        )
 
     # --- failures: the survivors stay up (recovery.py) ----------------------------------------
     def check_failures(self) -> None:
@@ -214,6 +230,7 @@ class ElasticController:
         when it waits as standby."""
         trainer, event = recover(self, trainer, self.failures)
         self.epoch += 1
+        self.recovered_since_boundary = True
         self.members = list(event.pop("members"))
         event = {"epoch": self.epoch, **event}
         if trainer is not None:  # its line comes after the first step
@@ -233,6 +250,13 @@ class ElasticController:
         self.control_rank = rank
         if dist.get_rank() == rank:
             self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
+
+    def _watching_failures(self):
+        """Group creation that ends (PeerGone) once a live process is recorded dead, when
+        failures are watched (else it waits as torch does)."""
+        if self.failures is None:
+            return nullcontext()
+        return watching_failures(lambda: any(r in self.live for r in self.failures.dead()))
 
     def distopt_of(self, layout: Layout) -> DistOpt | None:
         return distopt_of(self.cfg, layout)
@@ -263,7 +287,7 @@ class ElasticController:
             )
 
     def _refuse(self, rid: int, reason: Exception):
-        self.channel.answer(rid, {"status": "refused", "reason": str(reason)})
+        self.channel.answer(rid, {"status": "refused", "reason": str(reason), "then": UNCHANGED})
         self.print(
             f" elastic: request {rid} refused: {reason}; training continues on the old layout",
             flush=True,
@@ -309,8 +333,9 @@ class ElasticController:
         # processes sitting the change out) never enter the reshard's collectives
         whole_world = span == list(range(dist.get_world_size()))
         timeout = self.cfg.parallel.distributed_timeout
-        span_group = None if whole_world else dist.new_group(span, timeout=timeout)
-        groups = build_groups(rec.layout, rec.members, timeout=timeout)
+        with self._watching_failures():  # a peer that dies meanwhile ends the waits: recovery
+            span_group = None if whole_world else dist.new_group(span, timeout=timeout)
+            groups = build_groups(rec.layout, rec.members, timeout=timeout)
         plan = plan_layouts(
             self.cfg.model.with_(vocab_size=rec.vocab_size),
             rec.old_layout,

@@ -16,9 +16,12 @@ the live set.
 
 A drain that cannot run (rank 0, which hosts the control store; fewer members than
 --elastic-min-members; no layout for the rest; --elastic-recovery restart) is refused with one
-log line. With --exit-signal-handler every member then saves a checkpoint (with --save) and the
-job exits 0, as Megatron-LM does; without it the drained process ends as SIGTERM would have
-ended it, and torchrun restarts or ends the job.
+log line. One that the operator asked for (tools/elastic_ctl.py drain) then changes nothing:
+the job goes on unchanged. After SIGTERM, Megatron-LM's behaviour follows: with
+--exit-signal-handler every member saves a checkpoint (with --save) and the job exits 0;
+without it the drained process ends as SIGTERM would have ended it, and the others recover
+from its loss as from a failure (in-process recovery) or torchrun stops the job and restarts
+it (--max-restarts).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megadyn.elastic.control import DRAIN_QUEUE, ControlChannel
+from megadyn.elastic.control import DRAIN_QUEUE, UNCHANGED, ControlChannel
 from megadyn.elastic.records import Request, RequestError, reconfiguration
 
 
@@ -51,6 +54,8 @@ class Refusal:
 
     rank: int | None
     reason: str
+    signal: bool = False
+    """The notice of a process that got SIGTERM (else the operator's: nothing changes)."""
 
 
 class Drain:
@@ -102,49 +107,66 @@ class Drain:
                 continue
         return ranks
 
-    def decide(self, trainer, cfg, resolve: Callable, epoch: int, print_fn):
+    def decide(self, trainer, cfg, resolve: Callable, epoch: int, print_fn, recovers=False):
         """The leader's decision on the oldest notice: {"epoch": n} after publishing the
         drain's reconfiguration `epoch` (`resolve(rank, leaving)`: requests.py resolve_drain,
         where no rank of another queued notice takes anyone's place), or the refusal's
-        decision; None when no notice waits."""
+        decision; None when no notice waits. `recovers`: the survivors of a process that
+        ends recover in-process (what the refusal's line says SIGTERM then does)."""
         pending = self.pending()
         if pending is None:
             return None
         rid, notice = pending
         leaving = self.queued_ranks()
         if isinstance(notice, Request):
+            signal = notice.sent_by is None
             if cfg.elastic.recovery != "in-process":
-                notice = Refusal(notice.rank, "--elastic-recovery restart")
+                notice = Refusal(notice.rank, "--elastic-recovery restart", signal)
             else:
                 try:
                     layout, members, release = resolve(notice.rank, leaving)
                 except ValueError as e:  # a LayoutError: the layout rules refuse it
-                    notice = Refusal(notice.rank, str(e))
+                    notice = Refusal(notice.rank, str(e), signal)
         if isinstance(notice, Refusal):
-            return self.refuse(rid, notice, cfg, trainer.iteration, print_fn)
+            return self.refuse(rid, notice, cfg, trainer.iteration, print_fn, recovers)
         rec = reconfiguration(trainer, epoch, layout, members, release, event="drain")
         self.channel.publish_epoch(rec)
         self.channel.answer(rid, {"status": "accepted", "epoch": epoch}, self.QUEUE)
         return {"epoch": rec.epoch}
 
-    def refuse(self, rid: int, refusal: Refusal, cfg, iteration: int, print_fn) -> dict | str:
-        """Answer the notice, log the one line, and return the decision: stop (with
-        --exit-signal-handler) or "none" (the drained process ends itself)."""
-        self.channel.answer(rid, {"status": "refused", "reason": refusal.reason}, self.QUEUE)
+    def refuse(
+        self, rid: int, refusal: Refusal, cfg, iteration: int, print_fn, recovers: bool
+    ) -> dict | str:
+        """Answer the notice, log the one line, and return the decision: stop (SIGTERM's
+        notice under --exit-signal-handler) or "none" (the operator's drain changes nothing;
+        after SIGTERM without --exit-signal-handler the drained process ends itself)."""
         who = "a process" if refusal.rank is None else f"rank {refusal.rank}"
-        if cfg.elastic.exit_signal_handler:
-            then = (
-                f"--exit-signal-handler: every member saves a checkpoint at iteration "
-                f"{iteration} and the job exits"
-                if cfg.checkpoint.save
-                else f"--exit-signal-handler: the job exits at iteration {iteration} (no --save)"
-            )
-        else:
-            then = (
-                f"SIGTERM ends {who} (no --exit-signal-handler); the job stops or torchrun "
-                "restarts it"
-            )
+        then = _after_refusal(who, refusal.signal, cfg, iteration, recovers)
+        answer = {"status": "refused", "reason": refusal.reason, "then": then}
+        self.channel.answer(rid, answer, self.QUEUE)
         print_fn(f" elastic: drain of {who} refused: {refusal.reason}; {then}", flush=True)
-        if cfg.elastic.exit_signal_handler:
+        if refusal.signal and cfg.elastic.exit_signal_handler:
             return {"stop": f"drain of {who} refused: {refusal.reason}"}
         return "none"
+
+
+def _after_refusal(who: str, signal: bool, cfg, iteration: int, recovers: bool) -> str:
+    """What the job does once a drain of `who` is refused, as its log line and answer say."""
+    if not signal:  # the operator's drain: nothing changes
+        return UNCHANGED
+    if cfg.elastic.exit_signal_handler:
+        if cfg.checkpoint.save:
+            return (
+                f"--exit-signal-handler: every member saves a checkpoint at iteration "
+                f"{iteration} and the job exits"
+            )
+        return f"--exit-signal-handler: the job exits at iteration {iteration} (no --save)"
+    if recovers:
+        return (
+            f"SIGTERM ends {who} (no --exit-signal-handler), and the others recover from its "
+            "loss as from a failure"
+        )
+    return (
+        f"SIGTERM ends {who} (no --exit-signal-handler); torchrun then stops the job's other "
+        "workers and restarts them (--max-restarts) or ends the job"
+    )

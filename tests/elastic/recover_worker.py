@@ -9,7 +9,11 @@ recovery events) to rank<R>.json.
 Environment: RECOVER_TEST_OUT (the directory for the files); RECOVER_TEST_IN_RECOVERY
 "<rank>:<signal>:<n>" (optional): that rank sends itself the signal (SIGKILL, SIGSTOP) when its
 n-th recovery starts creating the new layout's groups, after the survivors connected their
-span group: a failure while another one is handled, where the survivors wait on each other.
+span group: a failure while another one is handled, where the survivors wait on each other;
+RECOVER_TEST_IN_RECONFIGURATION "<rank>:<signal>" (optional): that rank sends itself the signal
+when its first live reconfiguration (an operator's request) starts building the new layout;
+RECOVER_TEST_AWAIT_REQUEST (optional): the leader's first step boundary waits until an
+operator's request is queued.
 """
 
 import json
@@ -21,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megadyn.elastic import recovery  # noqa: E402
+from megadyn.elastic import controller, recovery  # noqa: E402
 from megadyn.launch import errors  # noqa: E402
 from megadyn.launch.run import main  # noqa: E402
 from megadyn.training.trainer import Trainer  # noqa: E402
@@ -46,9 +50,9 @@ def recording(train_step):
     return step
 
 
-def failing_in_recovery(build_groups, spec: str):
-    """The recovery's `build_groups`, which first sends this process the signal at its n-th
-    call when `spec` ("<rank>:<signal>:<n>") names this rank."""
+def failing_in(build_groups, spec: str):
+    """`build_groups`, which first sends this process the signal at its n-th call when `spec`
+    ("<rank>:<signal>:<n>") names this rank."""
     rank, name, nth = spec.split(":")
     calls = 0
 
@@ -62,11 +66,33 @@ def failing_in_recovery(build_groups, spec: str):
     return build
 
 
+def awaiting_a_request(leader_decision):
+    """The leader's decision, which at its first call waits until request 0 is queued (the
+    operator's tool, started with the job, may connect after a tiny job's last step)."""
+
+    waited = False
+
+    def decide(self, trainer):
+        nonlocal waited
+        if not waited and self.epoch == 0:  # a store hosted anew after a failure is empty
+            self.channel.store.wait(["request/0"])
+            waited = True
+        return leader_decision(self, trainer)
+
+    return decide
+
+
 def run_and_write(argv: list[str]) -> None:
     Trainer.train_step = recording(Trainer.train_step)
     if os.environ.get("RECOVER_TEST_IN_RECOVERY"):
         spec = os.environ["RECOVER_TEST_IN_RECOVERY"]
-        recovery.build_groups = failing_in_recovery(recovery.build_groups, spec)
+        recovery.build_groups = failing_in(recovery.build_groups, spec)
+    if os.environ.get("RECOVER_TEST_IN_RECONFIGURATION"):
+        spec = os.environ["RECOVER_TEST_IN_RECONFIGURATION"] + ":1"
+        controller.build_groups = failing_in(controller.build_groups, spec)
+    if os.environ.get("RECOVER_TEST_AWAIT_REQUEST"):
+        leader = controller.ElasticController
+        leader._leader_decision = awaiting_a_request(leader._leader_decision)
     result = main(argv)
     result = dict(result, losses={str(k): v for k, v in result["losses"].items()})
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))

@@ -18,6 +18,7 @@ import pytest
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.elastic.control import NONE, ControlChannel, connect
 from megadyn.elastic.drain import Drain, DrainSignal
+from megadyn.elastic.records import Request
 from megadyn.elastic.requests import resolve_drain
 from megadyn.launch import preemption
 from megadyn.testing import free_port
@@ -108,6 +109,25 @@ def test_a_refused_drain_stops_the_job_or_ends_the_drained_process(exit_signal_h
     else:
         assert decision == NONE and "SIGTERM ends rank 2 (no --exit-signal-handler)" in printed[0]
     assert ended == [1]  # the drained side reads the refusal (it acts on it only after "none")
+
+
+def test_a_refused_drain_the_operator_asked_for_changes_nothing():
+    # tools/elastic_ctl.py drain 2 under --exit-signal-handler: refused, no stop, and rank 2
+    # (which got no SIGTERM) goes on
+    channel = ControlChannel(connect("127.0.0.1", free_port(), is_server=True, timeout_s=10))
+    cfg = config("--elastic-recovery", "restart", "--exit-signal-handler", world=3)
+    rid = channel.submit(Request(action="drain", rank=2, sent_by="operator"))
+    printed = []
+    decision = Drain(channel).decide(
+        SimpleNamespace(iteration=7), cfg, None, 1, lambda line, **_: printed.append(line)
+    )
+    assert decision == NONE, decision
+    assert channel.answered(rid, "drain") == {
+        "status": "refused",
+        "reason": "--elastic-recovery restart",
+        "then": "the job goes on unchanged",
+    }
+    assert printed[0].endswith("refused: --elastic-recovery restart; the job goes on unchanged")
 
 
 def test_a_standby_process_with_its_own_notice_queued_takes_no_place():

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -36,7 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from recovery_helpers import LINE, rank_of, run_torchrun, workers_of
+from recovery_helpers import LINE, REPO, rank_of, run_torchrun, workers_of
 
 from megadyn.testing import free_port, run_pretrain, spawn
 
@@ -62,18 +63,19 @@ def reference():
 
 
 def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, str]],
-        env: dict | None = None):  # fmt: skip
+        env: dict | None = None, control_port: int | None = None):  # fmt: skip
     """Run one job; `signals`: (rank, at iteration, signal name) sent in turn, each once the
     log shows that iteration and every earlier signal's recovery, and the rank's own record
     shows it (sent at once on the log line, the signal could land in the victim's last step
     after its collectives but before its record, which would then miss that step's samples);
-    `env`: more environment for the workers (recover_worker.py)."""
+    `env`: more environment for the workers (recover_worker.py); `control_port`: the job's
+    --elastic-control-port (default: a free one)."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "megadyn.launch", "--nproc-per-node", str(nproc),
            "--max-restarts", "0", "--master-port", str(free_port()),
            "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
-           "--elastic-control-port", str(free_port()), *flags]  # fmt: skip
+           "--elastic-control-port", str(control_port or free_port()), *flags]  # fmt: skip
     state = {"iteration": 0, "recoveries": 0, "sent": [], "next": 0}
 
     def recorded(rank: int, iteration: int) -> bool:
@@ -107,6 +109,24 @@ def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, st
     print(log)
     assert len(state["sent"]) == len(signals), state
     return code, log, out
+
+
+def job_with_request(tmp_path, nproc, flags, request, signals, env=None):
+    """`job` with `tools/elastic_ctl.py <request>` started beside it (the leader's first step
+    boundary waits until it is queued); also the tool's output and process."""
+    port = free_port()
+    tool = subprocess.Popen(
+        [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120",
+         *request],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    env = {"RECOVER_TEST_AWAIT_REQUEST": "1", **(env or {})}
+    try:
+        code, log, out = job(tmp_path, nproc, flags, signals, env, control_port=port)
+        answer = tool.communicate(timeout=60)[0]
+    finally:
+        tool.kill()
+    return code, log, out, answer, tool
 
 
 def check_losses(log: str, reference: list[float], most_repeated: int = 1) -> None:
@@ -165,8 +185,20 @@ def test_standby_replacement_then_a_hung_worker(tmp_path, reference):
     ids=["replicated-weights-rank0", "replicated-optimizer-shards"],
 )
 def test_dp2_to_dp1_from_the_replica(tmp_path, reference, flags, victim):
-    code, log, out = job(tmp_path, 2, flags, [(victim, 4, "SIGKILL")])
+    # the control store's host dies with a request queued (never due): the waiting tool
+    # says in one line that the store went away
+    scale = ["scale", "1", "--at-iteration", "1000"]
+    code, log, out, answer, tool = job_with_request(
+        tmp_path, 2, flags, scale, [(victim, 4, "SIGKILL")]
+    )
     assert code == 0, log[-3000:]
+    if victim == 0:
+        assert tool.returncode == 1 and answer.splitlines()[-1].startswith(
+            "the job's control store on 127.0.0.1:"
+        ), answer
+        assert len(answer.splitlines()) == 2 and "frame #" not in answer, answer
+    else:  # the job finished first
+        assert "finished at iteration 14" in answer, answer
     ((it, old, new, left, repeated, source, *_),) = recoveries(log)
     assert (old.split("+")[0], new, left, source) == (
         "tp1xpp1xdp2",
@@ -205,6 +237,25 @@ def test_a_second_failure_while_the_first_is_handled(tmp_path, reference):
     ((it, old, new, left, repeated, source, first_step_s, total_s),) = recoveries(log)
     assert (old, new, left, source) == ("tp1xpp1xdp3", "tp1xpp1xdp1", "1,2", "replicas")
     assert float(total_s) < 30, total_s  # no wait of the recovery ran to its timeout
+    check_losses(log, reference)
+    check_samples(out)
+
+
+def test_a_request_whose_reconfiguration_a_failure_cut_short(tmp_path, reference):
+    # an operator's layout request is taken at iteration 5; rank 1 dies as the reconfiguration
+    # starts building the new layout. The survivors (rank 0 keeps the control store) recover,
+    # and the request, never answered, is applied after the recovery: tp2 over ranks 0 and 2
+    env = {"RECOVER_TEST_IN_RECONFIGURATION": "1:SIGKILL"}
+    request = ["layout", "--tp", "2", "--pp", "1", "--members", "2", "--at-iteration", "5"]
+    code, log, out, answer, tool = job_with_request(tmp_path, 3, [], request, [], env)
+    assert code == 0, log[-3000:]
+    assert tool.returncode == 0 and '"status": "done"' in answer, answer
+    assert "Traceback" not in answer and "frame #" not in answer, answer
+    ((it, old, new, left, *_),) = recoveries(log)
+    assert (old, left) == ("tp1xpp1xdp3", "1"), log[-3000:]  # new: the planner's for 2
+    assert "request 0 was cut short by the failure; it is applied again" in log, log[-3000:]
+    assert re.search(rf"event: layout \| epoch: \d+ \| iteration: \d+ \| old: {re.escape(new)} "
+                     r"\| new: tp2xpp1xdp1", log), log[-3000:]  # fmt: skip
     check_losses(log, reference)
     check_samples(out)
 

@@ -33,7 +33,11 @@ def leader_body(rank, world, port):
 def test_malformed_and_late_requests_are_refused_with_a_reason():
     decisions, results, printed, last, handled = spawn(leader_body, world=1, args=(free_port(),))[0]
     assert decisions == [NONE, NONE] and handled == 3
-    assert results[0] == {"status": "refused", "reason": "tp must be a positive integer, got 'two'"}
+    assert results[0] == {
+        "status": "refused",
+        "reason": "tp must be a positive integer, got 'two'",
+        "then": "the job goes on unchanged",
+    }
     assert "request 0 refused: tp must be a positive integer" in printed[0], printed
     assert results[1] == {
         "status": "refused",
