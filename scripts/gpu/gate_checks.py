@@ -205,12 +205,13 @@ def check_dynamic_cp(c: Check) -> CheckResult:
     return compare(c, dynamic, static, CP_ITERS)
 
 
-def hot_memory_gib(flags: list[str], vocab: int, seq: int, tokens: int) -> float:
-    """The memory for the length planner at which a dp 2 micro batch of `tokens` tokens beside
-    a tp 2 copy just fits, so that longer samples go to tp 2 (hot_switch.sh's TINY run)."""
-    from megadyn.core.layout import Layout
-    from megadyn.core.recompute import RecomputeConfig
-    from megadyn.elastic.layout_planner import memory_gib
+def hot_memory_gib(flags: list[str], vocab: int, seq: int, gbs: int) -> tuple[float, str]:
+    """A --dynamic-parallelism-memory-gib under which the length planner (the job's own,
+    megadyn/elastic/length_planner.py) sends short samples to dp 2 and long ones to tp 2:
+    the middle of the memory range where its plan has both groups (below it some length fits
+    no layout, above it dp 2 holds them all); and the plan's groups."""
+    from megadyn.core.layout import Layout, LayoutError
+    from megadyn.elastic.length_planner import plan_length_groups
     from megadyn.models.config import GPTConfig
 
     value = {k: int(v) for k, v in zip(flags, flags[1:]) if k.startswith("--") and v.isdigit()}
@@ -222,15 +223,37 @@ def hot_memory_gib(flags: list[str], vocab: int, seq: int, tokens: int) -> float
         vocab_size=vocab + 1,
         max_position_embeddings=seq,
     )
-    rc = RecomputeConfig()
-    dp2 = memory_gib(cfg, Layout(dp=2), 1, tokens, rc)
-    return dp2 + memory_gib(cfg, Layout(tp=2), 1, 0, rc, optimizer=False)
+
+    def groups(gib: float):
+        plan = plan_length_groups(cfg, Layout(dp=2), budget=seq, seq_length=seq,
+                                  global_batch_size=gbs, gpu_memory_gib=gib)  # fmt: skip
+        return plan.groups
+
+    def fits(gib: float) -> bool:
+        try:
+            groups(gib)
+        except LayoutError:
+            return False
+        return True
+
+    def lowest(ok, hi: float = 64.0) -> float:  # the least memory where ok() holds (monotone)
+        lo = 0.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        return hi
+
+    least = lowest(fits)
+    dp2_alone = lowest(lambda gib: fits(gib) and len(groups(gib)) == 1)
+    gib = (least + dp2_alone) / 2
+    return gib, "; ".join(f"{g.layout.tp}x{g.layout.dp}: {g.lengths}" for g in groups(gib))
 
 
 def check_hot_switch(c: Check) -> CheckResult:
-    """--dynamic-parallelism (base dp 2, samples over ~300 tokens under tp 2) against static
+    """--dynamic-parallelism (base dp 2, the longest samples under tp 2) against static
     tp 2 on a corpus of log-normal lengths (scripts/gpu/hot_switch.sh, small)."""
-    vocab, seq, iters = 1000, 512, 6
+    # a vocabulary of 32000: its logits, split over tp, are what tp 2 saves for long samples
+    vocab, seq, iters = 1000 if c.models.tiny else 32000, 512, 6
     prefix = c.work / "corpus"
     shape = (
         f"--vocab-size {vocab} --num-documents 2000 --median 64 --sigma 1.2 --max-length {seq + 1}"
@@ -239,8 +262,8 @@ def check_hot_switch(c: Check) -> CheckResult:
     corpus = c.run("corpus", make)
     if corpus.code() != 0:
         return fail(c.name, "no corpus", f"make_length_corpus.py exit {corpus.code()}")
-    memory = hot_memory_gib(c.models.hot, vocab, seq, 300)
-    c.note(f"--dynamic-parallelism-memory-gib {memory!r}: samples over ~300 tokens go to tp 2")
+    memory, plan = hot_memory_gib(c.models.hot, vocab, seq, gbs=16)
+    c.note(f"--dynamic-parallelism-memory-gib {memory!r}: the planner's groups (tp x dp) {plan}")
     data = (
         f"--seq-length {seq} --max-position-embeddings {seq} --split 100,0,0 --vocab-size {vocab}"
     )

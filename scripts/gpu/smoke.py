@@ -12,6 +12,17 @@ check: its command, exit code, seconds and output) and OUTDIR/logs.tgz with all 
 device machine returns 8 files: table.md, record.json and logs.tgz are enough). Exits 0 only
 when every check passed. Scratch (checkpoints, metrics files, corpora) goes to --work.
 
+On the device machine (a copy of the tree, maybe without .git: pass the commit, and bring the
+line back into the committed file):
+
+    GATE_COMMIT=$(git rev-parse HEAD) GATE_TREE=$(git rev-parse HEAD:megadyn)   # here, then there:
+    GATE_COMMIT=<sha> GATE_TREE=<sha> bash scripts/gpu/smoke.sh /tmp/gate; cp /tmp/gate/{table.md,record.json,logs.tgz} $OUT
+    cat <files_at>/record.json >> docs/gpu-checks.jsonl                          # here, committed
+
+Without GATE_TREE and .git, megadyn_tree is computed from megadyn/'s files (git's tree id:
+equal to HEAD:megadyn when they are committed unchanged) and commit is "unknown". The
+regression rule reads the previous lines of docs/gpu-checks.jsonl, so the copy must hold them.
+
 Each check has its own timeout (a check over it fails with figure "timeout"; its processes,
 worker trees included, are killed) and the gate a total budget (--budget-s): a check still
 running at its end is stopped the same way, one not started fails with "no time". The three
