@@ -115,6 +115,8 @@ def run_all(gate: Gate, names: list[str], jobs: int) -> dict:
     try:
         results = {n: gate.run_check(n) for n in TIMED if n in names}
         pooled = {n: pool.submit(gate.run_check, n) for n in POOLED if n in names}
+        while not all(f.done() for f in pooled.values()):
+            time.sleep(0.2)  # not f.result(): a signal must reach the main thread meanwhile
         results.update({n: f.result() for n, f in pooled.items()})
     except BaseException:
         gate.stopping = True
