@@ -180,8 +180,9 @@ def write_checkpoint(
     os.makedirs(path, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        metadata = dcp.save(items, checkpoint_id=path, no_dist=True)
-    sums, _ = checksums.record(path, metadata, rank=0)
+        writer = checksums.keep_write_results(dcp.FileSystemWriter(path))
+        dcp.save(items, storage_writer=writer, no_dist=True)
+    sums, _ = checksums.record(path, writer.results)
     write_meta(
         path, dict(meta, iteration=iteration, **{checksums.CHECKSUMS: checksums.manifest([sums])})
     )

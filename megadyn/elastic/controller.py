@@ -45,6 +45,7 @@ from megadyn.elastic.records import (
 )
 from megadyn.elastic.recovery import recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
+from megadyn.elastic.retired_groups import RetiredGroups
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
 from megadyn.elastic.watched_store import watching_failures
 
@@ -105,6 +106,7 @@ class ElasticController:
         self._recovered: tuple[dict, float] | None = None  # its first step is still to time
         self.recovered_since_boundary = False  # the leader then looks for a request cut short
         self.kept = None  # what the last recovery read from, until its first step ends
+        self.retired = RetiredGroups()  # the last layout's groups, destroyed by a thread
         self.events: list[dict] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
 
@@ -228,6 +230,7 @@ class ElasticController:
     def recover(self, trainer: ReshardableTrainer | None) -> ReshardableTrainer | None:
         """The survivors' recovery (recovery.py): the trainer this process runs next, None
         when it waits as standby."""
+        self.retired.join(timeout_s=10.0)  # NCCL's abort ends a shutdown that waits on the dead
         trainer, event = recover(self, trainer, self.failures)
         self.epoch += 1
         self.recovered_since_boundary = True
@@ -301,6 +304,7 @@ class ElasticController:
         """Carry out reconfiguration `rec`; returns the trainer this process runs next (or None
         for `Finish`); raises Released when this process leaves the layout."""
         self.epoch, self.kept = rec.epoch, None
+        self.retired.join()  # torch's group tables are not for two threads at once
         if isinstance(rec, Finish):
             return None
         self.members = list(rec.members)
@@ -364,11 +368,9 @@ class ElasticController:
         """REBUILD: drop the old layout, build (or join) the new one around `new_state`;
         returns this process's trainer, None when it left the layout."""
         rank, rec = dist.get_rank(), change.rec
-        if trainer is not None:
-            old_groups = trainer.groups
-            if rank not in rec.members:
-                trainer.release()
-            old_groups.destroy()
+        old_groups = None if trainer is None else trainer.groups
+        if trainer is not None and rank not in rec.members:
+            trainer.release()
         if rank not in rec.members:
             trainer = None
         elif trainer is None:  # a standby process joins
@@ -381,6 +383,10 @@ class ElasticController:
                 restore_rng(self.channel.store, self.epoch, trainer, rec.old_layout)
         if change.span_group is not None:
             dist.destroy_process_group(change.span_group)
+        if old_groups is not None and trainer is None:  # it leaves the layout: nothing waits
+            old_groups.destroy()
+        elif old_groups is not None:  # beside the first steps (retired_groups.py)
+            self.retired.add(old_groups)
         self.live = [r for r in self.live if r not in rec.release]
         return trainer
 
@@ -443,6 +449,7 @@ class ElasticController:
         """The job is done: refuse the requests still queued (an operator's tool is waiting
         for an answer) and tell standby processes to exit."""
         self.finished = True
+        self.retired.join()
         if trainer is None or dist.get_rank() != trainer.groups.grid.members[0]:
             return
         while (pending := self.channel.pending_request(self.channel.handled())) is not None:

@@ -202,10 +202,11 @@ def _save(items, path, group, after_write, copied, in_host_memory: bool) -> tupl
         writer = dcp().FileSystemWriter(path, sync_files=False, thread_count=HOST_MEMORY_WRITERS)
     else:
         writer = dcp().FileSystemWriter(path)
+    checksums.keep_write_results(writer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        metadata = dcp().save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
-    written = checksums.record(path, metadata, dist.get_rank(group))
+        dcp().save(items, checkpoint_id=path, storage_writer=writer, process_group=group)
+    written = checksums.record(path, writer.results)
     if after_write is not None:
         after_write(path)
     return written

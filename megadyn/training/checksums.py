@@ -1,13 +1,14 @@
 """Checksums of a checkpoint's stored tensors: recorded at save, verified as a load reads them.
 
-    sums, seconds = record(path, metadata, rank)   # after dcp.save: this rank's stored items
+    dcp.save(..., storage_writer=keep_write_results(writer))
+    sums, seconds = record(path, writer.results)   # this rank's stored items
     meta[CHECKSUMS] = manifest(sums_of_every_rank)  # megadyn.json, written when the save finishes
     expected = Expected.of(meta)                    # None: saved before checksums were recorded
     data = expected.verified(path, info, file)      # the item's bytes, or a CheckpointError
 
 Every stored item (one tensor's piece, or a scalar's) occupies a byte range of a `.distcp`
-file that DCP's `.metadata` names (file, offset, length). Each rank checksums the items of the
-files it wrote, reading them back after `dcp.save` returned; the save's leader writes all
+file that DCP's `.metadata` names (file, offset, length). Each rank checksums the items it
+wrote (its storage writer's results), reading them back after `dcp.save` returned; the save's leader writes all
 ranks' sums into megadyn.json before the directory is renamed into place, so a checkpoint has
 its manifest exactly when it is complete. A load checks each item's bytes against the manifest
 as the reader reads them (checkpoint_reader.py), so no byte is read twice; an item whose bytes
@@ -65,15 +66,30 @@ def _crcs(path: str, ranges: list[tuple[str, int, int]]) -> list[int]:
             os.close(fd)
 
 
-def record(path: str, metadata, rank: int) -> tuple[dict[str, list], float]:
-    """{file: [[offset, length, crc, key], ...]} of the items that group rank `rank` wrote into
-    the DCP checkpoint `path` (DCP names its files `__<rank>_<n>.distcp`; `metadata` is what
-    dcp.save returned), and the seconds spent."""
+def keep_write_results(writer):
+    """`writer` (a DCP storage writer) keeps the results of its `write_data` on `.results`:
+    where this rank stored each item. (The Metadata that dcp.save returns lists them only on
+    the save's coordinator in some torch versions: torch 2.11 returns none on any rank.)"""
+    write = writer.write_data
+
+    def write_data(plan, planner):
+        future = write(plan, planner)
+        writer.results = future.wait()
+        return future
+
+    writer.results = []
+    writer.write_data = write_data
+    return writer
+
+
+def record(path: str, results) -> tuple[dict[str, list], float]:
+    """{file: [[offset, length, crc, key], ...]} of the items this rank wrote into the DCP
+    checkpoint `path` (`results`: its storage writer's WriteResults, `keep_write_results`),
+    and the seconds spent."""
     start = time.perf_counter()
     mine = sorted(
-        (info.relative_path, info.offset, info.length, index.fqn)
-        for index, info in metadata.storage_data.items()
-        if info.relative_path.startswith(f"__{rank}_")
+        (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length, r.index.fqn)
+        for r in results
     )
     files: dict[str, list] = {}
     for (name, offset, length, key), value in zip(mine, _crcs(path, [m[:3] for m in mine])):
