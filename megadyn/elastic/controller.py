@@ -115,6 +115,7 @@ class ElasticController:
         groups = trainer.groups
         it = trainer.iteration
         self.members = list(groups.grid.members)
+        self.retired.start()  # the last layout's groups, once the new layout took a step
         if self._recovered is not None:
             self._log_recovery(trainer)
         self.check_failures()
@@ -385,8 +386,8 @@ class ElasticController:
             dist.destroy_process_group(change.span_group)
         if old_groups is not None and trainer is None:  # it leaves the layout: nothing waits
             old_groups.destroy()
-        elif old_groups is not None:  # beside the first steps (retired_groups.py)
-            self.retired.add(old_groups)
+        elif old_groups is not None:  # destroyed beside the second step (retired_groups.py)
+            self.retired.hold(old_groups)
         self.live = [r for r in self.live if r not in rec.release]
         return trainer
 

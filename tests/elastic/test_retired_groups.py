@@ -34,3 +34,12 @@ def test_a_second_add_first_finishes_the_first():
     assert first.destroyed.is_set()
     second.release.set()
     assert retired.join()
+
+
+def test_held_groups_wait_for_start_or_join():
+    retired, old = RetiredGroups(), _SlowGroups()
+    old.release.set()
+    retired.hold(old)  # the new layout's first step runs first
+    assert not old.destroyed.wait(0.2)  # nothing destroys it before start
+    retired.start()
+    assert old.destroyed.wait(5) and retired.join()
