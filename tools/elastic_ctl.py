@@ -11,7 +11,7 @@
 The job listens on --elastic-control-port (default MASTER_PORT + 1) of its rank-0 host. A request
 is applied at the next step boundary (or at --at-iteration); the tool waits for the answer and
 prints it: the new layout and the time of each phase, or the reason it was refused (the job then
-goes on unchanged). A drain is what a SIGTERM to that process does (README, elastic section): the
+goes on unchanged). A drain is what a SIGTERM to that process does (docs/elastic.md): the
 answer says it was accepted, and the job's log has the reconfiguration; a refused one changes
 nothing. Where no job answers on the port (within 3 s, or --timeout), or the job's control store
 goes away before the answer (the job ended, or the process hosting it failed: a queued request

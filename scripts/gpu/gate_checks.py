@@ -160,7 +160,7 @@ def check_cuda_graph(c: Check) -> CheckResult:
 
 
 def check_sigterm_drain(c: Check) -> CheckResult:
-    """SIGTERM to rank 1 of an elastic dp 2 job at iteration 10 of 100 (README: a preemption
+    """SIGTERM to rank 1 of an elastic dp 2 job at iteration 10 of 100 (docs/elastic.md: a preemption
     notice drains a worker)."""
     iters = 100
     port = str(PORTS["sigterm_drain"])

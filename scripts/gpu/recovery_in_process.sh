@@ -15,7 +15,7 @@
 # by default; about 6 minutes in all)
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_recovery_in_process}; mkdir -p "$OUT"
-# python -m megadyn.launch gives its workers what the recovery needs of NCCL (README)
+# python -m megadyn.launch gives its workers what the recovery needs of NCCL (docs/recovery.md)
 export NCCL_NVLS_ENABLE=0
 export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -1,5 +1,7 @@
-"""tools/generate.py's plain output, and the README's tool commands against the tools' flags."""
+"""tools/generate.py's plain output, and the documentation's tool commands (README.md and
+docs/*.md) against the tools' flags."""
 
+import glob
 import os
 import re
 import shlex
@@ -32,8 +34,9 @@ def test_plain_output_echoes_each_prompt_and_separates_them(sp_trained, capsys):
 
 
 def readme_commands(script: str) -> list[list[str]]:
-    """The README's `python tools/<script>` command lines (continuations joined), split."""
-    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read().replace("\\\n", " ")
+    """The documentation's `python tools/<script>` command lines (continuations joined), split."""
+    pages = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    text = "".join(open(p, encoding="utf-8").read() for p in pages).replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines()]
     return [shlex.split(line) for line in lines if line.startswith(f"python tools/{script}")]
 
@@ -45,7 +48,7 @@ def test_readme_commands_use_the_tools_flags(script, capsys):
     usage = capsys.readouterr().out
     known = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", usage))
     commands = readme_commands(script)
-    assert commands, f"README shows no tools/{script}.py command"
+    assert commands, f"the documentation shows no tools/{script}.py command"
     for command in commands:
         unknown = [a for a in command if a.startswith("--") and a not in known]
-        assert not unknown, f"README: {' '.join(command)}: {script}.py has no {unknown}"
+        assert not unknown, f"docs: {' '.join(command)}: {script}.py has no {unknown}"
