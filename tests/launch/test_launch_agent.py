@@ -1,5 +1,5 @@
 """`python -m megadyn.launch` (megadyn/launch/agent.py): torchrun's launcher whose agent keeps
-survivors. Real launchers and gloo workers (tests/elastic/survivor_worker.py): a worker
+survivors. Real launchers and gloo workers (tests/launch/survivor_worker.py): a worker
 SIGKILLed after a barrier leaves the others running, they read who died from the agent's store
 and finish, and the job exits 0 (on one host, and with two agents); with the behaviour off, or workers that never said they
 recover, the agent stops them as torchrun does; survivors that give up too take torchrun's
@@ -19,7 +19,7 @@ from megadyn.launch.__main__ import parse_args, set_worker_environment
 from megadyn.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = "tests/elastic/survivor_worker.py"
+WORKER = "tests/launch/survivor_worker.py"
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
     "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "

@@ -1,4 +1,4 @@
-"""A worker of tests/elastic/test_launch_agent.py: three gloo processes under
+"""A worker of tests/launch/test_launch_agent.py: three gloo processes under
 `python -m megadyn.launch --nproc-per-node 3`. In the first attempt rank 1 SIGKILLs itself after a
 barrier; the others find it gone in a collective, read who died from the agent's store
 (megadyn/launch/failures.py), finish their sum among themselves and exit 0. A later attempt
