@@ -1,0 +1,63 @@
+"""pretrain_gpt.py with a sampler of the main thread's stack during each live change's rebuild.
+
+    SAMPLES_DIR=/tmp/s torchrun --nproc-per-node 2 scripts/gpu/rebuild_sampler.py <pretrain flags>
+
+Each rank writes SAMPLES_DIR/r<rank>_rebuild<n>.txt per live change: the rebuild's wall time
+(CUDA synchronized) and its 25 most frequent stacks, sampled every 4 ms. Time spent inside a C++
+call shows under the Python line that made it, where cProfile showed nothing (the rebuild's
+1.64 s in NCCL group destruction, BENCHMARKS.md, eighth session). Run from the tree to measure;
+it wraps ElasticController._rebuild of that tree's megadyn.
+"""
+
+import collections
+import os
+import runpy
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+import megadyn.elastic.controller as controller
+
+OUT = os.environ["SAMPLES_DIR"]
+RANK = int(os.environ.get("RANK", 0))
+MAIN = threading.main_thread().ident
+_rebuild = controller.ElasticController._rebuild
+_changes = iter(range(1 << 30))
+
+
+def _sample(stop: threading.Event, counts: collections.Counter) -> None:
+    while not stop.is_set():
+        frame = sys._current_frames().get(MAIN)
+        if frame is not None:
+            stack = reversed(traceback.extract_stack(frame)[-14:])
+            counts[
+                " <- ".join(f"{os.path.basename(s.filename)}:{s.lineno}:{s.name}" for s in stack)
+            ] += 1
+        time.sleep(0.004)
+
+
+def sampled_rebuild(self, *args, **kwargs):
+    stop, counts = threading.Event(), collections.Counter()
+    sampler = threading.Thread(target=_sample, args=(stop, counts), daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    try:
+        return _rebuild(self, *args, **kwargs)
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        with open(os.path.join(OUT, f"r{RANK}_rebuild{next(_changes)}.txt"), "w") as f:
+            f.write(f"wall {wall:.3f} s, {sum(counts.values())} samples\n")
+            f.writelines(f"{n:5d} {stack}\n" for stack, n in counts.most_common(25))
+
+
+controller.ElasticController._rebuild = sampled_rebuild
+os.makedirs(OUT, exist_ok=True)
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
