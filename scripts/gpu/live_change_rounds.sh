@@ -21,7 +21,7 @@ run() {  # run TREE OUTDIR PORT
     set -- $step
     until grep -q "iteration *$1/" "$dir/job.log" 2>/dev/null || ! kill -0 $job 2>/dev/null; do sleep 0.5; done
     shift  # the tree's own tool: its requests are what its job reads
-    (cd "$tree" && python3 tools/elastic_ctl.py --port "$port" layout "$@") >> "$dir/ctl.log" 2>&1
+    (cd "$tree" && PYTHONPATH=$PWD python3 tools/elastic_ctl.py --port "$port" layout "$@") >> "$dir/ctl.log" 2>&1
   done
   wait $job
   grep -A1 "elastic: event" "$dir/job.log" | cut -c1-260
