@@ -4,8 +4,9 @@
     python -m megadyn.launch --no-keep-survivors ...        # torchrun exactly
     MEGADYN_KEEP_SURVIVORS=0 python -m megadyn.launch ...   # the same
 
-Every flag of torchrun (torch.distributed.run's own parser) means what it means there; the one
-added flag, --no-keep-survivors, goes before the training script like torchrun's own. With
+Every flag of torchrun (torch.distributed.run's own parser) means what it means there; the
+added flags, --no-keep-survivors, --host-timeout and --coordinator (agent.py, hosts.py,
+coordinator.py), go before the training script like torchrun's own. With
 survivors kept the workers see MEGADYN_KEEP_SURVIVORS=1 (torchrun_env.keep_survivors) and
 TORCH_NCCL_ASYNC_ERROR_HANDLING=0: NCCL's watchdog then leaves up a process whose communicators
 the in-process recovery aborts (megadyn/launch/failure_watch.py). A user who sets another value
@@ -37,10 +38,53 @@ def parse_args(argv: list[str]) -> tuple[Namespace, bool]:
         "declared that it recovers in-process, and the failure is recorded in the agent's "
         "store (megadyn/launch/failures.py).",
     )
+    parser.add_argument(
+        "--host-timeout",
+        "--host_timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="With survivors kept: another host's agent whose keep-alive in the job's store is "
+        "older than this is declared lost, its workers are recorded as failed and the "
+        "survivors on the other hosts recover in-process (megadyn/launch/hosts.py; default 5, "
+        "0 turns it off). Start the store apart from the training hosts with `python -m "
+        "megadyn.launch.coordinator` so that any host, rank 0's included, can be lost.",
+    )
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="The job's store served by `python -m megadyn.launch.coordinator` on a host that "
+        "does not train: the rendezvous (as --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+        "--rdzv-conf is_host=0), the workers' store and the failure records live there, so "
+        "the job survives the loss of any training host (rank 0's included).",
+    )
     args = parser.parse_args(argv)
     keep = not args.no_keep_survivors and os.environ.get(KEEP_SURVIVORS_ENV, "1") != "0"
+    if args.host_timeout < 0:
+        parser.error(f"--host-timeout must be >= 0 (0 = off), got {args.host_timeout:g}")
+    if args.coordinator is not None:
+        args.coordinator = _coordinator(parser, args)
     del args.no_keep_survivors
     return args, keep
+
+
+def _coordinator(parser, args: Namespace) -> tuple[str, int]:
+    """--coordinator HOST:PORT as torchrun's rendezvous flags; refuses flags that contradict
+    it."""
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    if args.rdzv_backend not in ("static", "c10d"):  # static: torchrun's default
+        parser.error(f"--coordinator uses the c10d rendezvous, not --rdzv-backend {args.rdzv_backend}")
+    if args.rdzv_endpoint not in ("", args.coordinator):
+        parser.error(
+            f"--coordinator {args.coordinator} is the rendezvous endpoint; --rdzv-endpoint "
+            f"{args.rdzv_endpoint} contradicts it (give one of them)"
+        )
+    args.rdzv_backend, args.rdzv_endpoint = "c10d", args.coordinator
+    args.rdzv_conf = ",".join(c for c in (args.rdzv_conf, "is_host=0") if c)
+    return host, int(port)
 
 
 # what the in-process recovery needs of NCCL in its workers' environment: name -> value
@@ -71,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
             print(line, file=sys.stderr, flush=True)
     elif os.environ.get(KEEP_SURVIVORS_ENV) == "1":  # --no-keep-survivors: torchrun's workers
         del os.environ[KEEP_SURVIVORS_ENV]
-    launch(args, keep_survivors=keep)
+    host_timeout, coordinator = args.host_timeout, args.coordinator
+    del args.host_timeout, args.coordinator
+    launch(args, keep_survivors=keep, host_timeout_s=host_timeout, coordinator=coordinator)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,15 @@ workers all failed has no survivor to keep and takes torchrun's path, which rest
 workers of every host (their agents see it waiting in the next rendezvous), even where the
 workers of other hosts could have gone on.
 
+Hosts are the unit of failure too (hosts.py): once the attempt's workers recover in-process,
+each agent writes a keep-alive into the same store every half second and watches the other
+agents'; an agent silent for longer than --host-timeout is declared lost (by the first agent
+that sees it), its workers are recorded as failed, and the survivors on the other hosts
+recover in-process. Served by `python -m megadyn.launch.coordinator`, that store outlives every
+training host, the one of rank 0 included. An agent that finds its own host declared lost
+stops its workers and leaves (exit code 3): processes of the old epoch never rejoin. After a
+lost host the exit barrier does not wait for its agent.
+
 Everything else is torchrun's own code: the command line (torch.distributed.run's parser and
 `run`), the rendezvous, the workers' start, environment and logs, restarts, the exit barrier
 and the summary. `launch` hands this agent class to torch.distributed.launcher.api's
@@ -29,6 +38,7 @@ uninterruptible sleep (in newer torch versions) no longer runs for that attempt.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 from contextlib import contextmanager
@@ -43,23 +53,34 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.utils.logging import get_logger
 
-from megadyn.launch import failures
+from megadyn.launch import failures, hosts, torchrun_env
 from megadyn.launch.distributed_init import attempt_prefix
 
 KEEP_SURVIVORS_ENV = "MEGADYN_KEEP_SURVIVORS"
 """1 in the workers' environment when the agent keeps survivors (torchrun_env.keep_survivors);
 0 in the launcher's environment turns the behaviour off, as --no-keep-survivors does."""
 STORE_TIMEOUT = timedelta(seconds=10)
+FENCED_EXIT = 3
+"""The agent's exit code when another agent declared its host lost (hosts.py)."""
 logger = get_logger(__name__)
 
 
-def launch(args, keep_survivors: bool = True) -> None:
+def launch(
+    args,
+    keep_survivors: bool = True,
+    host_timeout_s: float = 5.0,
+    coordinator: tuple[str, int] | None = None,
+) -> None:
     """Run torchrun's launcher on `args` (torch.distributed.run's parsed command line), with
-    `SurvivorKeepingAgent` as its agent when `keep_survivors`; otherwise torchrun exactly."""
+    `SurvivorKeepingAgent` as its agent when `keep_survivors` (another agent silent for
+    `host_timeout_s` seconds is a lost host; 0: hosts are not watched; `coordinator`: the
+    (host, port) of `python -m megadyn.launch.coordinator`, whose store the workers use);
+    otherwise torchrun exactly."""
     if not keep_survivors:
         torchrun.run(args)
         return
-    with _agent_class(SurvivorKeepingAgent):
+    settings = {"host_timeout_s": host_timeout_s, "coordinator": coordinator}
+    with _agent_class(type("SurvivorKeepingAgent", (SurvivorKeepingAgent,), settings)):
         torchrun.run(args)
 
 
@@ -79,11 +100,27 @@ class SurvivorKeepingAgent(LocalElasticAgent):
     """torchrun's agent, except that a worker's failure leaves the others of its group running
     when the attempt's workers recover in-process (module docstring)."""
 
+    host_timeout_s = 5.0
+    """Seconds without another agent's keep-alive before its host counts as lost (0: off)."""
+    coordinator: tuple[str, int] | None = None
+    """The store served apart from the training hosts (coordinator.py), or None."""
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torchrun's rendezvous; with a coordinator, the workers' store (MASTER_ADDR and
+        MASTER_PORT) is the coordinator's instead of one that node rank 0's agent serves, so
+        that it outlives any training host."""
+        super()._rendezvous(worker_group)
+        if self.coordinator is not None:
+            worker_group.master_addr, worker_group.master_port = self.coordinator
+
     def _start_workers(self, worker_group: WorkerGroup):
         spec = worker_group.spec
         self._attempt = spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
         self._kept: dict[int, ProcessFailure] = {}  # local rank -> its failure, this attempt
         self._records = None  # the failure store of this attempt, connected at the first failure
+        self._recovering = False  # the attempt's workers declared that they recover in-process
+        self._hosts: hosts.HostWatch | None = None  # keep-alives, once they recover in-process
+        self._store_silent = False  # the store did not answer the last keep-alive
         return super()._start_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -92,6 +129,7 @@ class SurvivorKeepingAgent(LocalElasticAgent):
             return super()._monitor_workers(worker_group)
         exits = {lr: h.proc.poll() for lr, h in pcontext.subprocess_handlers.items()}
         running = [lr for lr, code in exits.items() if code is None]
+        self._watch_hosts(worker_group, running)
         new = [lr for lr, code in exits.items() if code not in (None, 0) and lr not in self._kept]
         if not self._kept and not (new and running and self._survivors_recover(worker_group)):
             return super()._monitor_workers(worker_group)  # torchrun's decision, as before
@@ -103,12 +141,59 @@ class SurvivorKeepingAgent(LocalElasticAgent):
 
     def _survivors_recover(self, worker_group: WorkerGroup) -> bool:
         """Whether the workers of this attempt declared that they recover in-process."""
+        if self._recovering:
+            return True
         try:
             store = self._failure_store(worker_group)
-            return store is not None and failures.recovering(store)
+            self._recovering = store is not None and failures.recovering(store)
         except Exception as e:  # noqa: BLE001 - no store to record in: torchrun's path
             logger.warning("the agent's store did not answer (%s): stopping the workers", e)
-            return False
+        return self._recovering
+
+    def _watch_hosts(self, worker_group: WorkerGroup, running: list[int]) -> None:
+        """This agent's keep-alive and its watch over the other hosts (hosts.py), once the
+        attempt's workers recover in-process; a fenced host's agent stops its workers and
+        leaves."""
+        if self.host_timeout_s <= 0:
+            return
+        if self._hosts is None:
+            if not self._survivors_recover(worker_group):
+                return
+            pids = self._pcontext.pids()
+            ranks = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
+            self._hosts = hosts.HostWatch(
+                self._records,
+                worker_group.group_rank,
+                torchrun_env.host_identity(),
+                ranks,
+                self.host_timeout_s,
+                log=logger.warning,
+            )
+        alive = {worker_group.workers[lr].global_rank for lr in running}
+        try:
+            self._hosts.tick(worker_group.group_world_size, alive)
+            self._store_silent = False
+        except hosts.Fenced as e:
+            logger.error(
+                "megadyn.launch: another agent declared this host (node rank %s) lost: %s; "
+                "its workers are stopped and it leaves the job",
+                worker_group.group_rank,
+                e,
+            )
+            self._pcontext.close(death_sig=signal.SIGKILL)
+            raise SystemExit(FENCED_EXIT) from None
+        except Exception as e:  # noqa: BLE001 - the store is away: one line per outage
+            if not self._store_silent:
+                logger.warning("megadyn.launch: the job's store did not take the keep-alive (%s)", e)
+            self._store_silent = True
+
+    def _exit_barrier(self):
+        """torchrun's barrier of every agent at the end, unless a host was lost (its agent
+        would never arrive: the barrier would wait out its whole timeout)."""
+        if self._hosts is not None and self._hosts.any_lost(self._worker_group.group_world_size):
+            logger.warning("megadyn.launch: a host was lost: not waiting for every agent at the exit")
+            return
+        super()._exit_barrier()
 
     def _failure_store(self, worker_group: WorkerGroup):
         """A client of the store the workers reach at MASTER_ADDR:MASTER_PORT, in the attempt's

@@ -57,6 +57,9 @@ class WorkerFailure:
     """Its exit status; negative: killed by signal -exitcode."""
     time: float
     """Wall-clock time at which the agent saw it gone (at most one monitor interval late)."""
+    lost_host: float | None = None
+    """Set when its whole host was lost (hosts.py): how long its agent had been silent, in
+    seconds; `local_rank` is then -1 and `exitcode` SIGKILL's (its fate is unknown)."""
 
     @property
     def signal(self) -> str | None:
@@ -69,6 +72,11 @@ class WorkerFailure:
             return f"signal {-self.exitcode}"
 
     def describe(self) -> str:
+        if self.lost_host is not None:
+            return (
+                f"rank {self.rank} (on {self.host}, pid {self.pid}) lost with its host (its "
+                f"agent silent for {self.lost_host:.1f} s)"
+            )
         how = f"killed by {self.signal}" if self.signal else f"exited with {self.exitcode}"
         return (
             f"rank {self.rank} (local rank {self.local_rank} on {self.host}, pid {self.pid}) {how}"

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import tempfile
 from dataclasses import dataclass, field
 
@@ -41,14 +40,8 @@ from megadyn.core import c10d_compat
 from megadyn.launch import torchrun_env
 from megadyn.training.checkpoint import METADATA, STATE_FILE, iter_dir, required_pieces
 
-HOST_ENV = "MEGADYN_HOST"
 CHUNK_BYTES = 64 << 20  # files travel in pieces of at most this many bytes
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
-
-
-def host_identity() -> str:
-    """This process's host: `MEGADYN_HOST` when set (tests simulate hosts), else the hostname."""
-    return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
 def snapshot_root(template: str) -> str:
@@ -71,7 +64,7 @@ class HostMap:
     def gather(cls, group) -> HostMap:
         """Collective over `group`."""
         out: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, host_identity(), group=group)
+        dist.all_gather_object(out, torchrun_env.host_identity(), group=group)
         return cls(tuple(out))
 
     @property

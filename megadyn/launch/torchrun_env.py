@@ -13,7 +13,17 @@ imported here: fork_server.py's client reads it before torch is imported.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+
+HOST_ENV = "MEGADYN_HOST"
+"""Names this process's host in megadyn's records when set (tests simulate several hosts on one
+machine, one name per launcher agent); else the host name."""
+
+
+def host_identity() -> str:
+    """This process's host: `MEGADYN_HOST` when set, else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
 @dataclass(frozen=True)

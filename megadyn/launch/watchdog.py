@@ -20,9 +20,9 @@ clock sees it, so host clocks need not agree) and is not done makes each rank wa
 one line naming it and exit with `HUNG_PEER_EXIT`; the agent then restarts the worker group. A
 silent rank on the same host is SIGKILLed first: the agent would wait 30 s for a hung process
 that ignores its SIGTERM. A rank that dies is the agent's to notice. When the survivors recover
-in-process (`keep_going`, under megadyn.launch), the watchers only SIGKILL a silent rank on
-their host, which the agent then records as any dead worker, and go on; ranks recorded dead
-are no longer watched (`forget`).
+in-process (`keep_going`, under megadyn.launch), the watchers SIGKILL a silent rank on their
+host, or ask the agent of its host to (hosts.py: `kill/<rank>` in the store), which then
+records it as any dead worker, and go on; ranks recorded dead are no longer watched (`forget`).
 
 The keys outlive the attempt, so a restarted job reads the previous attempt's: the failure is
 dated by the last heartbeat of the rank that went silent first (at most one interval before the
@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megadyn.launch import startup, torchrun_env
+from megadyn.launch import hosts, startup, torchrun_env
 from megadyn.launch.console import print_line
 from megadyn.launch.distributed_init import agent_store, attempt_prefix
 
@@ -104,6 +103,7 @@ class Watchdog:
         self.print = print_fn
         self.iteration = 0  # written by the training loop, read by the thread
         self.store = store
+        self.attempt_store = dist.PrefixStore(attempt_prefix(restart), store)
         self.beats = dist.PrefixStore(attempt_prefix(restart) + "heartbeat/", store)
         # the ranks this one watches: the next WATCHED ones around the ring (all, in small jobs)
         self.watched = [str((rank + i) % world) for i in range(1, min(world, WATCHED + 1))]
@@ -175,7 +175,7 @@ class Watchdog:
         value = {
             "time": time.time(),
             "iteration": self.iteration,
-            "host": socket.gethostname(),
+            "host": torchrun_env.host_identity(),
             "pid": os.getpid(),
             "done": done,
         }
@@ -216,21 +216,21 @@ class Watchdog:
                     beat = json.loads(value) if value is not None else {}
                     where = " ({host}, pid {pid})".format(**beat) if beat else ""
                     killed = _kill_if_here(int(key), beat)
-                    here = beat.get("host") == socket.gethostname()
-                    if here and self.keep_going:  # the agent records it; survivors recover
+                    silent = (
+                        f"rank {key}{where} sent no heartbeat for {now - changed:.1f} s "
+                        f"(--elastic-heartbeat-timeout {self.timeout:g})"
+                    )
+                    if self.keep_going and beat:  # the agent records it; survivors recover
                         self._forgotten.add(key)
+                        if not killed:  # on another host: its agent kills it (hosts.py)
+                            hosts.request_kill(self.attempt_store, int(key), silent)
+                        how = "killed it (same host)" if killed else "asked its host's agent to kill it"
                         self.print(
-                            f" watchdog: rank {self.rank}: rank {key}{where} sent no heartbeat "
-                            f"for {now - changed:.1f} s (--elastic-heartbeat-timeout "
-                            f"{self.timeout:g}); killed it (same host), the survivors recover",
+                            f" watchdog: rank {self.rank}: {silent}; {how}, the survivors recover",
                             flush=True,
                         )
                         continue
-                    self._exit(
-                        f"rank {key}{where} sent no heartbeat for {now - changed:.1f} s "
-                        f"(--elastic-heartbeat-timeout {self.timeout:g})"
-                        + ("; killed it (same host)" if killed else "")
-                    )
+                    self._exit(silent + ("; killed it (same host)" if killed else ""))
 
     def _exit(self, why: str) -> None:
         self.print(
@@ -244,7 +244,7 @@ def _kill_if_here(rank: int, beat: dict) -> bool:
     """SIGKILL a silent rank that runs on this host, after checking that the pid is still that
     worker of this job. A hung process may ignore SIGTERM (a stopped one does), and torchrun's
     agent waits 30 s before its SIGKILL when it stops the worker group for the restart."""
-    if beat.get("host") != socket.gethostname():
+    if beat.get("host") != torchrun_env.host_identity():
         return False
     try:
         with open(f"/proc/{beat['pid']}/environ", "rb") as f:

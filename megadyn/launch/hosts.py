@@ -1,0 +1,182 @@
+"""Hosts as the unit of failure: each agent's keep-alive in the job's store, the lost host's
+failure records, fencing, and kill requests between hosts.
+
+    hosts = HostWatch(store, group_rank=0, host="node-a", ranks={0: 0, 1: 1}, timeout_s=5.0)
+    hosts.tick(agents=2)   # the agent, every monitor interval: beat, act on requests, watch peers
+
+Under `python -m megadyn.launch` every agent runs one `HostWatch` over the store its workers
+reach at MASTER_ADDR:MASTER_PORT (with a coordinator, `python -m megadyn.launch.coordinator`,
+that store outlives every training host). In the attempt's key space:
+
+    hosts/<node rank>          JSON {host, ranks: {global rank: pid}, time}: the agent's
+                               keep-alive, written every `interval` seconds
+    hosts/<node rank>/lost     set once, by the first agent that found that keep-alive older
+                               than `timeout_s`: the host is lost and fenced
+    kill/<global rank>         a watcher on another host asks that rank's agent to SIGKILL a
+                               worker that stopped beating (watchdog.py)
+
+A lost host's workers are recorded as failed (failures.py, one record per rank, `lost_host`
+set), exactly as an agent records a worker that died under it, so the survivors on the other
+hosts recover in-process. An agent that finds its own host declared lost (it was stopped, or
+cut off, for longer than the timeout) is fenced: it kills its workers and ends, so processes of
+the old epoch never rejoin the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from megadyn.launch import failures
+
+INTERVAL_S = 0.5
+"""How often an agent writes its keep-alive and looks at the others'."""
+
+
+def host_key(group_rank: int) -> str:
+    return f"hosts/{group_rank}"
+
+
+def lost_key(group_rank: int) -> str:
+    return f"hosts/{group_rank}/lost"
+
+
+def kill_key(rank: int) -> str:
+    return f"kill/{rank}"
+
+
+def request_kill(store, rank: int, why: str) -> None:
+    """A watcher's side: ask the agent of `rank` (on any host) to SIGKILL it."""
+    store.set(kill_key(rank), why)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One agent's last keep-alive, as read from the store."""
+
+    group_rank: int
+    host: str
+    ranks: dict[int, int]
+    """Its workers: global rank -> pid."""
+    time: float
+
+    @classmethod
+    def from_json(cls, group_rank: int, text: bytes | str) -> Beat:
+        d = json.loads(text)
+        ranks = {int(r): int(p) for r, p in d["ranks"].items()}
+        return cls(group_rank, d["host"], ranks, float(d["time"]))
+
+
+class Fenced(Exception):
+    """This agent's own host was declared lost by another agent."""
+
+
+class HostWatch:
+    """One agent's keep-alive and its watch over the other agents (module docstring)."""
+
+    def __init__(
+        self,
+        store,
+        group_rank: int,
+        host: str,
+        ranks: dict[int, int],
+        timeout_s: float,
+        *,
+        interval: float = INTERVAL_S,
+        clock=time.time,
+        log=print,
+    ):
+        self.store, self.group_rank, self.host = store, group_rank, host
+        self.ranks, self.timeout_s, self.interval = dict(ranks), timeout_s, interval
+        self.clock, self.log = clock, log
+        self.lost: dict[int, Beat] = {}  # node rank -> its last keep-alive, declared lost here
+        self.killed: set[int] = set()  # ranks killed at another host's request
+        self._seen: dict[int, tuple[float, float]] = {}  # node rank -> (its time, when it changed)
+        self._next = 0.0
+
+    def tick(self, agents: int, alive: set[int] | None = None) -> None:
+        """Every monitor interval (acts every `interval` seconds): raise Fenced if this host was
+        declared lost; write the keep-alive; kill local workers that a watcher asked to; declare
+        the agents among 0..agents-1 whose keep-alive is older than `timeout_s` lost.
+        `alive`: the global ranks of this agent's workers that still run."""
+        now = self.clock()
+        if now < self._next:
+            return
+        self._next = now + self.interval
+        if self.store.check([lost_key(self.group_rank)]):
+            raise Fenced(self.store.get(lost_key(self.group_rank)).decode())
+        ranks = {r: p for r, p in self.ranks.items() if alive is None or r in alive}
+        beat = {"host": self.host, "ranks": ranks, "time": now}
+        self.store.set(host_key(self.group_rank), json.dumps(beat))
+        self._serve_kill_requests(ranks)
+        for other in range(agents):
+            if other != self.group_rank and other not in self.lost:
+                self._check(other, now)
+
+    def any_lost(self, agents: int) -> bool:
+        """Whether any host of the attempt's `agents` was declared lost (by any agent)."""
+        if self.lost:
+            return True
+        try:
+            return any(self.store.check([lost_key(g)]) for g in range(agents))
+        except Exception:  # noqa: BLE001 - the store is away: nothing to wait for either
+            return True
+
+    def _serve_kill_requests(self, ranks: dict[int, int]) -> None:
+        for rank, pid in ranks.items():
+            key = kill_key(rank)
+            if rank in self.killed or not self.store.check([key]):
+                continue
+            self.killed.add(rank)
+            why = self.store.get(key).decode()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue  # it ended meanwhile: its exit is recorded like any other
+            self.log(f"megadyn.launch: killed rank {rank} (pid {pid}) at a watcher's request: {why}")
+
+    def _check(self, other: int, now: float) -> None:
+        key = host_key(other)
+        if not self.store.check([key]):
+            return  # not started yet: torchrun's rendezvous waits for it, not this watch
+        beat = Beat.from_json(other, self.store.get(key))
+        seen_time, changed = self._seen.get(other, (None, now))
+        if seen_time != beat.time:
+            self._seen[other] = (beat.time, now)
+            return
+        # measured on this agent's clock from the moment it last saw the keep-alive change:
+        # hosts' clocks need not agree
+        silent = now - changed
+        if silent > self.timeout_s:
+            self._declare(beat, silent)
+
+    def _declare(self, beat: Beat, silent: float) -> None:
+        """Declare `beat`'s host lost (only the first agent to try does) and record its
+        workers as failed, so the survivors recover."""
+        self.lost[beat.group_rank] = beat
+        why = f"no keep-alive for {silent:.1f} s (seen by node rank {self.group_rank})"
+        if self.store.add(lost_key(beat.group_rank) + "/claims", 1) != 1:
+            return  # another agent declared it
+        self.store.set(lost_key(beat.group_rank), why)
+        for rank, pid in sorted(beat.ranks.items()):
+            if self.store.check([failures.failed_key(rank)]):
+                continue  # its own agent recorded it before the host went
+            record = failures.WorkerFailure(
+                rank=rank,
+                local_rank=-1,
+                group_rank=beat.group_rank,
+                host=beat.host,
+                pid=pid,
+                exitcode=-int(signal.SIGKILL),
+                time=self.clock(),
+                lost_host=round(silent, 2),
+            )
+            failures.record(self.store, record)
+        self.log(
+            f"megadyn.launch: host {beat.host} (node rank {beat.group_rank}, ranks "
+            f"{sorted(beat.ranks)}) is lost: {why}; its workers are recorded as failed and "
+            "the survivors recover; it may not rejoin this attempt"
+        )

@@ -1,0 +1,132 @@
+"""A lost host is a live reconfiguration: the survivors on the other hosts train on, in the
+same processes (megadyn/launch/hosts.py, coordinator.py).
+
+Two simulated hosts (two `python -m megadyn.launch` agents of 2 workers each, MEGADYN_HOST a
+and b) rendezvous through `python -m megadyn.launch.coordinator`, a third process; tp 2 x dp 2,
+so each host holds one whole data-parallel replica. A whole host is lost: its agent and its
+workers are SIGKILLed together. For the host of rank 0 (node rank 0: rank 0 hosts the control
+store and leads) and for the other one, with --max-restarts 0:
+- the job exits 0 (the survivors' agent), the lost host's agent was killed;
+- the surviving agent declared the host lost in one line, and the survivors recovered in-process
+  from their own replica;
+- every loss equals an uninterrupted run's within 1e-5 (at most the interrupted step twice) and
+  every sample was drawn once;
+- the log stays short: no warning per failed send to the lost host.
+Then a worker on host b stopped with SIGSTOP: its watchers on host a cannot kill it (another
+host), so they ask its agent through the store; the agent kills it and the survivors recover.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from recovery_helpers import LINE, REPO, run_torchrun, workers_of
+from test_in_process_recovery import (
+    ITERS,
+    TINY,
+    check_losses,
+    check_samples,
+    recoveries,
+    reference,  # noqa: F401 - the module's fixture
+)
+from test_restarts import group_rank_of
+
+from megadyn.testing import free_port
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+def coordinator(port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megadyn.launch.coordinator", "--host", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert "megadyn coordinator: serving on 127.0.0.1:" in proc.stdout.readline()
+    return proc
+
+
+def two_hosts(tmp_path, flags: list[str], on_line):
+    """Run the job on hosts a and b through a coordinator; returns the agents' exit codes (in
+    the order a, b), the log and the workers' record directory."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    launch = [sys.executable, "-m", "megadyn.launch", "--nnodes", "2", "--nproc-per-node", "2",
+              "--max-restarts", "0", "--coordinator", f"127.0.0.1:{port}",
+              "--rdzv-id", "lost-host", "--host-timeout", "2", "--monitor-interval", "0.1",
+              "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
+              "--elastic-control-port", str(free_port()), *TP2, *flags]  # fmt: skip
+    cmds = [["env", f"MEGADYN_HOST={host}", *launch] for host in "ab"]  # env execs: same pid
+    env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(REPO)}
+    server = coordinator(port)
+    try:
+        codes, log = run_torchrun(cmds, on_line, env=env, deadline_s=150)
+    finally:
+        server.kill()
+    print(log)
+    return codes, log, out
+
+
+def at_iteration(n: int, action):
+    """An on_line callback that runs `action(agents)` in a thread once iteration `n` is logged."""
+    done = []
+
+    def on_line(line, agents):
+        m = LINE.search(line)
+        if m and int(m.group(1)) >= n and not done:
+            done.append(True)
+            threading.Thread(target=action, args=(agents,)).start()
+
+    return on_line
+
+
+@pytest.mark.parametrize("lost_node", [0, 1], ids=["host-of-rank-0", "other-host"])
+def test_a_lost_host_leaves_the_other_one_training(tmp_path, reference, lost_node):  # noqa: F811
+    lost = {}
+
+    def lose_host(agents):
+        agent = next(a for a in agents if group_rank_of(a.pid) == lost_node)
+        lost["ranks"] = sorted(int(_env(p)["RANK"]) for p in workers_of(agent.pid))
+        for pid in [agent.pid, *workers_of(agent.pid)]:  # the host's processes, all at once
+            os.kill(pid, signal.SIGKILL)
+
+    codes, log, out = two_hosts(tmp_path, [], at_iteration(5, lose_host))
+    assert sorted(codes) == [-signal.SIGKILL, 0], (codes, log[-3000:])
+    assert lost["ranks"] == [2 * lost_node, 2 * lost_node + 1], lost
+    said = f"node rank {lost_node}, ranks {lost['ranks']}) is lost: no keep-alive for "
+    assert log.count(said) == 1, log[-3000:]  # one line, by the agent that declared it
+    ((it, old, new, left, repeated, source, *_),) = recoveries(log)
+    assert (old, left, source) == ("tp2xpp1xdp2", ",".join(map(str, lost["ranks"])), "replicas")
+    tp, pp, dp = map(int, re.match(r"tp(\d+)xpp(\d+)xdp(\d+)", new).groups())
+    assert tp * pp * dp == 2, new  # the planner's layout for the 2 survivors
+    if lost_node == 0:  # rank 0 hosted the control store: a survivor hosts it anew
+        assert "now hosts the control store" in log, log[-3000:]
+    check_losses(log, reference)
+    check_samples(out)
+    assert log.count("sendBytes failed") <= 4, log.count("sendBytes failed")
+
+
+def test_a_hung_worker_on_another_host_is_killed_by_its_own_agent(tmp_path, reference):  # noqa: F811
+    def stop_rank_3(agents):
+        pid = next(p for a in agents for p in workers_of(a.pid) if _env(p)["RANK"] == "3")
+        os.kill(pid, signal.SIGSTOP)
+
+    flags = ["--elastic-heartbeat-timeout", "3"]
+    codes, log, out = two_hosts(tmp_path, flags, at_iteration(5, stop_rank_3))
+    assert codes == [0, 0], (codes, log[-3000:])
+    assert "rank 3 (b, pid" in log and "asked its host's agent to kill it" in log, log[-3000:]
+    assert "megadyn.launch: killed rank 3 (pid" in log and "at a watcher's request" in log
+    ((it, old, new, left, *_),) = recoveries(log)
+    assert (old, left) == ("tp2xpp1xdp2", "3"), log[-3000:]
+    check_losses(log, reference)
+    check_samples(out)
+
+
+def _env(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = (kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return {k.decode(): v.decode() for k, v in pairs}

@@ -1,0 +1,128 @@
+"""Host keep-alives (megadyn/launch/hosts.py) on one store, with a clock the test moves: a
+silent host is declared lost once, by one agent, its workers recorded as failed; the lost
+host's agent is fenced; a kill request reaches the worker's own agent; and the launcher's
+--coordinator flag becomes torchrun's rendezvous flags."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from megadyn.launch import failures, hosts
+from megadyn.launch.__main__ import parse_args
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def agents(store, clock, timeout_s=2.0):
+    """Three agents of 2 workers each (global ranks 2g, 2g+1), every one with its own log."""
+    logs = {g: [] for g in range(3)}
+    watches = [
+        hosts.HostWatch(store, g, f"host{g}", {2 * g: 100 + 2 * g, 2 * g + 1: 101 + 2 * g},
+                        timeout_s, interval=0.5, clock=clock, log=logs[g].append)
+        for g in range(3)
+    ]  # fmt: skip
+    return watches, logs
+
+
+def tick(watches, clock, seconds, skip=()):
+    """Move the clock in half-second ticks; the agents in `skip` stay silent."""
+    for _ in range(int(seconds / 0.5)):
+        clock.now += 0.5
+        for w in watches:
+            if w.group_rank not in skip:
+                w.tick(agents=len(watches))
+
+
+def test_a_silent_host_is_declared_lost_once_and_fenced():
+    store, clock = dist.HashStore(), Clock()
+    watches, logs = agents(store, clock)
+    tick(watches, clock, 3)
+    assert failures.read(store, 6) == {}  # every agent beats: nothing is lost
+    tick(watches, clock, 3, skip={1})  # host1 stops (its agent and workers are gone)
+    records = failures.read(store, 6)
+    assert sorted(records) == [2, 3] and all(r.lost_host >= 2.0 for r in records.values())
+    assert records[2].describe().startswith("rank 2 (on host1, pid 102) lost with its host")
+    assert store.add(failures.COUNT_KEY, 0) == 2
+    declared = [line for g in (0, 2) for line in logs[g] if "is lost" in line]
+    assert len(declared) == 1 and "host host1 (node rank 1, ranks [2, 3])" in declared[0]
+    assert all(w.any_lost(3) for w in watches)
+    with pytest.raises(hosts.Fenced, match="no keep-alive"):  # it comes back: fenced
+        tick(watches, clock, 0.5)
+
+
+def test_a_host_whose_worker_was_recorded_keeps_that_record():
+    store, clock = dist.HashStore(), Clock()
+    watches, _ = agents(store, clock)
+    tick(watches, clock, 1)
+    dead = failures.WorkerFailure(4, 0, 2, "host2", 104, -9, clock.now)
+    failures.record(store, dead)  # its agent saw rank 4 die just before the host went
+    tick(watches, clock, 3, skip={2})
+    records = failures.read(store, 6)
+    assert records[4] == dead and records[5].lost_host is not None
+    assert store.add(failures.COUNT_KEY, 0) == 2
+
+
+def test_a_kill_request_reaches_the_workers_own_agent():
+    store, clock = dist.HashStore(), Clock()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        logs = []
+        watch = hosts.HostWatch(store, 0, "a", {7: victim.pid}, 5.0, clock=clock, log=logs.append)
+        hosts.request_kill(store, 7, "rank 7 sent no heartbeat for 3.2 s")
+        watch.tick(agents=1)
+        assert victim.wait(timeout=10) == -signal.SIGKILL
+        assert logs == [
+            f"megadyn.launch: killed rank 7 (pid {victim.pid}) at a watcher's request: "
+            "rank 7 sent no heartbeat for 3.2 s"
+        ]
+        clock.now += 1
+        watch.tick(agents=1)  # once
+        assert len(logs) == 1
+    finally:
+        victim.kill()
+
+
+def test_the_coordinator_flag_is_torchruns_rendezvous():
+    args, _ = parse_args(["--nnodes", "2", "--coordinator", "10.0.0.5:29400", "train.py"])
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf) == (
+        "c10d", "10.0.0.5:29400", "is_host=0",
+    )  # fmt: skip
+    assert args.coordinator == ("10.0.0.5", 29400) and args.host_timeout == 5.0
+    for bad, said in [
+        (["--coordinator", "nohostport"], "--coordinator must be HOST:PORT"),
+        (["--coordinator", "h:1", "--rdzv-endpoint", "g:2"], "contradicts it"),
+        (["--host-timeout", "-1"], "--host-timeout must be >= 0"),
+    ]:
+        run = subprocess.run([sys.executable, "-m", "megadyn.launch", *bad, "train.py"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 2 and said in run.stderr, run.stderr
+
+
+def test_the_coordinator_serves_until_told_to_stop():
+    from megadyn.testing import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "megadyn.launch.coordinator", "--host", "127.0.0.1"]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith(f"megadyn coordinator: serving on 127.0.0.1:{port}")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False)
+        client.set("k", "v")
+        assert dist.TCPStore("127.0.0.1", port, is_master=False).get("k") == b"v"
+        busy = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 2 and f"cannot serve on 127.0.0.1:{port}" in busy.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "megadyn coordinator: stopped" in proc.stdout.read()
+    finally:
+        proc.kill()
+
