@@ -1,9 +1,8 @@
 """`python -m megadyn.launch.coordinator`: the job's store, on a host that does not train.
 
     python -m megadyn.launch.coordinator --port 29400            # on the coordinator host
-    python -m megadyn.launch --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint COORDINATOR:29400 --rdzv-conf is_host=0 --rdzv-id job1 \\
-        --max-restarts 0 pretrain_gpt.py ...                      # on every training host
+    python -m megadyn.launch --nnodes 2 --nproc-per-node 8 --coordinator COORDINATOR:29400 \\
+        --rdzv-id job1 --max-restarts 0 pretrain_gpt.py ...      # on every training host
 
 torchrun's c10d rendezvous keeps its state in a TCPStore served by one of the agents (the one
 on the endpoint's host), and the workers' default store, megadyn's failure records and the
@@ -11,9 +10,9 @@ agents' keep-alives (hosts.py) live in that same store. Served by a training hos
 it. This process serves that store on its own, so a lost training host, whichever it is, takes
 none of them along: the survivors read the lost host's failure records and recover in-process.
 It is torch's TCPStore server and nothing else; it holds no training state and can run on any
-small machine (a login node, a Kubernetes service). `is_host=0` tells each agent to connect as
-a client (without it, an agent on the coordinator's own machine first tries to bind the port,
-fails, and then connects).
+small machine (a login node, a Kubernetes service). `--coordinator HOST:PORT` is torchrun's
+`--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0` (every agent connects
+as a client) and points the workers' MASTER_ADDR and MASTER_PORT at the same store (agent.py).
 
 If the coordinator itself stops, training goes on (the communicators are set up), but no
 failure can be recorded or agreed on until it is back, and a restarted coordinator starts with
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print_line(
         f"megadyn coordinator: serving on {args.host}:{store.port}; start each host with "
-        f"--rdzv-backend c10d --rdzv-endpoint <this host>:{store.port} --rdzv-conf is_host=0"
+        f"python -m megadyn.launch --coordinator <this host>:{store.port} ..."
     )
     while not stop.wait(1.0):
         pass
