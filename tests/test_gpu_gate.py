@@ -337,10 +337,11 @@ def test_every_check_starts_flags_pretrain_gpt_knows(tmp_path, tiny):
         for script in ("pretrain_gpt.py", "scripts/train_default.sh"):
             if script in cmd:
                 flag_lists.append(cmd[cmd.index(script) + 1 :])
-        if "tools/bench_recovery.py" in cmd:
+        if "tools/bench_recovery.py" in cmd or "scripts/gpu/lost_host.py" in cmd:
             flag_lists.append(cmd[cmd.index("--") + 1 :])
-    # main 1, graph 2, live 1, kill 2, drain 1, cp 4 (cp1 and p2p once), hot 2, fp8 2, save 2
-    assert len(flag_lists) == 17
+    # main 1, graph 2, live 1, kill 2 (its uninterrupted run shared with lost_host), lost 1,
+    # drain 1, cp 4 (cp1 and p2p once), hot 2, fp8 2, save 2
+    assert len(flag_lists) == 18
     for flags in flag_lists:
         parser.parse_args(
             [f for f in flags if f != "--default-job"]

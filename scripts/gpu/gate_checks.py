@@ -120,31 +120,65 @@ def check_live_change(c: Check) -> CheckResult:
     return report.live_change_verdict(codes, records(job), expected, iters, previous, name)
 
 
+RECOVERY_ITERS, KILL_AFTER = 16, 8
+
+
+def recovery_flags(c: Check) -> list[str]:
+    """The 1.42B reference model at dp 2 with replicated optimizer shards, 16 iterations."""
+    flags = c.models.reference + ["--num-distributed-optimizer-instances", "2"]
+    return flags + steps(RECOVERY_ITERS, "--elastic-heartbeat-timeout", "30")
+
+
+def recovery_env() -> dict:
+    # the README's command as it is: the launcher sets what its workers need (NCCL's async
+    # error handling off, so that the survivors' abort of the communicators is theirs)
+    env = base_env()
+    env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+    return env
+
+
+def uninterrupted(c: Check) -> Proc:
+    """The run kill9_recovery and lost_host compare their losses with (started once)."""
+    ctl = ["--elastic-control-port", str(PORTS["kill9_base"])]
+    return c.shared_pretrain("recovery_uninterrupted", 2, recovery_flags(c) + ctl)
+
+
+def recovery_result(c: Check, run: str, cmd: list[str], name: str, max_s: float) -> CheckResult:
+    """Run the timing script `cmd` (its last output line is its JSON result, its job's
+    metrics in <run>.metrics.jsonl) and judge it against the uninterrupted run."""
+    metrics = c.work / f"{run}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    proc = c.run(run, [*cmd, "--metrics-file", str(metrics)], recovery_env())
+    lines = [x for x in proc.text().splitlines() if x.startswith("{")]
+    result = json.loads(lines[-1]) if lines else None
+    base = uninterrupted(c)
+    c.wait(base)
+    return report.recovery_verdict(
+        result, base.code(), step_losses(metrics), step_losses(base), RECOVERY_ITERS,
+        max_kill_to_step_s=max_s, name=name,
+    )  # fmt: skip
+
+
 def check_kill9_recovery(c: Check) -> CheckResult:
     """kill -9 of rank 1 after iteration 8 under `python -m megadyn.launch` (in-process
     recovery, tools/bench_recovery.py), then the same 16 iterations uninterrupted."""
-    iters, kill_after = 16, 8
-    flags = c.models.reference + ["--num-distributed-optimizer-instances", "2"]
-    flags += steps(iters, "--elastic-heartbeat-timeout", "30")
-    env = base_env()
-    # the README's command as it is: the launcher sets what its workers need (NCCL's async
-    # error handling off, so that the survivors' abort of the communicators is theirs)
-    env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-    metrics = c.work / "recovery.metrics.jsonl"
-    metrics.unlink(missing_ok=True)
     bench = [PY, "tools/bench_recovery.py", "--in-process", "--nproc", "2", "--kill-after",
-             str(kill_after), "--port", str(PORTS["kill9_rdzv"]), "--log",
-             str(c.work / "recovery.job.log"), "--", *flags, "--elastic-control-port",
-             str(PORTS["kill9_ctl"]), "--metrics-file", str(metrics)]  # fmt: skip
-    proc = c.run("recovery", bench, env)
-    lines = [x for x in proc.text().splitlines() if x.startswith("{")]
-    result = json.loads(lines[-1]) if lines else None
-    ctl = ["--elastic-control-port", str(PORTS["kill9_base"])]
-    base = c.pretrain("uninterrupted", 2, flags + ctl, env)
-    c.wait(base)
-    return report.recovery_verdict(
-        result, base.code(), step_losses(metrics), step_losses(base), iters
-    )
+             str(KILL_AFTER), "--port", str(PORTS["kill9_rdzv"]), "--log",
+             str(c.work / "recovery.job.log"), "--", *recovery_flags(c),
+             "--elastic-control-port", str(PORTS["kill9_ctl"])]  # fmt: skip
+    return recovery_result(c, "recovery", bench, c.name, 3.0)
+
+
+def check_lost_host(c: Check) -> CheckResult:
+    """The host of rank 0 lost after iteration 8: 2 GPUs as 2 hosts (one `python -m
+    megadyn.launch --coordinator` agent per GPU, the coordinator a third process); its agent
+    and worker SIGKILLed together (scripts/gpu/lost_host.py); the survivor's losses against
+    kill9_recovery's uninterrupted run."""
+    script = [PY, "scripts/gpu/lost_host.py", "--hosts", "2", "--nproc-per-host", "1",
+              "--gpus", "" if c.models.tiny else "0,1", "--kill-after", str(KILL_AFTER),
+              "--log", str(c.work / "lost_host.job.log"), "--", *recovery_flags(c),
+              "--elastic-control-port", str(PORTS["lost_host_ctl"])]  # fmt: skip
+    return recovery_result(c, "lost_host", script, c.name, 5.0)
 
 
 # --- the others: --jobs at a time ------------------------------------------------------------------
@@ -349,6 +383,7 @@ CHECKS = {  # name: (function, timeout in seconds), in the table's order
     "cuda_graph_tp2": (check_cuda_graph, 150),
     "live_change": (check_live_change, 180),
     "kill9_recovery": (check_kill9_recovery, 240),
+    "lost_host": (check_lost_host, 150),
     "sigterm_drain": (check_sigterm_drain, 150),
     "cp2_a2a_docmask": (check_cp2_a2a, 180),
     "cp2_p2p_docmask": (check_cp2_p2p, 180),
@@ -358,7 +393,7 @@ CHECKS = {  # name: (function, timeout in seconds), in the table's order
     "save_resume_relayout": (check_save_resume, 180),
     "c10d_compat": (check_c10d_compat, 90),
 }
-TIMED = ["main_job", "live_change", "kill9_recovery"]
+TIMED = ["main_job", "live_change", "kill9_recovery", "lost_host"]
 """Run first, one at a time, on an idle machine: their figures are timings."""
 POOLED = ["cp2_a2a_docmask", "cp2_p2p_docmask", "dynamic_cp_flex", "save_resume_relayout",
           "hot_switch", "fp8", "cuda_graph_tp2", "sigterm_drain", "c10d_compat"]  # fmt: skip

@@ -358,12 +358,13 @@ def recovery_verdict(
     train_iters: int,
     max_kill_to_step_s: float = 3.0,
     max_repeated: int = 1,
+    name: str = "kill9_recovery",
 ) -> CheckResult:
-    """kill -9 under `python -m megadyn.launch`: tools/bench_recovery.py's JSON line (`bench`),
-    the recovered run's losses against an uninterrupted run's after the kill."""
-    name = "kill9_recovery"
+    """kill -9 under `python -m megadyn.launch`: the timing script's JSON line (`bench`:
+    tools/bench_recovery.py's, or scripts/gpu/lost_host.py's for a lost host), the recovered
+    run's losses against an uninterrupted run's after the kill."""
     if not bench:
-        return fail(name, "no result", "tools/bench_recovery.py printed no JSON line")
+        return fail(name, "no result", "its timing script printed no JSON line")
     line = parse_fields(bench.get("job_recovery_line") or "")
     kill_s, repeated = bench.get("kill_to_next_step_s"), line.get("repeated")
     after = bench.get("killed_after_iteration") or 0

@@ -31,6 +31,7 @@ PORTS = {
     "kill9_ctl": 29622,
     "kill9_base": 29623,
     "sigterm_drain": 29631,
+    "lost_host_ctl": 29641,
 }
 """Fixed ports of the runs that need one (elastic control stores, the launcher's rendezvous);
 the other runs take torchrun --standalone's free port."""

@@ -4,12 +4,12 @@
         --log OUT/lost_host.log -- <pretrain_gpt.py flags, elastic mode>
 
 Starts `python -m megadyn.launch.coordinator` and one `python -m megadyn.launch --coordinator`
-agent per simulated host (MEGADYN_HOST=h0, h1, ...; on a GPU machine each host gets its own
-GPUs through CUDA_VISIBLE_DEVICES), `--max-restarts 0`. Once iteration `--kill-after` is logged
+agent per simulated host (MEGADYN_HOST=h0, h1, ...; with `--gpus 0,1` each host gets its share of
+them through CUDA_VISIBLE_DEVICES), `--max-restarts 0`. Once iteration `--kill-after` is logged
 it SIGKILLs the agent whose workers include rank 0 together with those workers (the host of
-rank 0: it led the job and hosted its control store), and prints one JSON line: the agents'
-exit codes, the iteration killed after, the seconds from the kill to the survivors' next
-iteration line, and the job's recovery line. The merged log goes to `--log`, each line after
+rank 0: it led the job and hosted its control store), and prints one JSON line: the surviving
+agents' exit code and every agent's, the iteration killed after, the seconds from the kill to
+the line of the first step completed after the recovery, and the job's recovery line. The merged log goes to `--log`, each line after
 the kill prefixed with the seconds since it.
 """
 
@@ -54,6 +54,9 @@ def main() -> None:
     p.add_argument("--nproc-per-host", type=int, default=1)
     p.add_argument("--kill-after", type=int, required=True, help="iteration to kill after")
     p.add_argument("--host-timeout", type=float, default=2.0, help="python -m megadyn.launch's")
+    p.add_argument(
+        "--gpus", default="", help="GPUs to split over the hosts, e.g. 0,1 (default: none, CPU)"
+    )
     p.add_argument("--log", default="lost_host.log")
     p.add_argument("pretrain_args", nargs=argparse.REMAINDER)
     a = p.parse_args()
@@ -66,7 +69,7 @@ def main() -> None:
     )  # fmt: skip
     read, write = os.pipe()
     agents = []
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES_ALL", "")  # e.g. "0,1": split over the hosts
+    gpus = a.gpus
     for h in range(a.hosts):
         host_env = dict(env, MEGADYN_HOST=f"h{h}")
         if gpus:
@@ -82,7 +85,7 @@ def main() -> None:
         )
         time.sleep(0.5)
     os.close(write)
-    killed_at = back_at = last = job_line = None
+    killed_at = back_at = seen_at = last = job_line = None
     with open(a.log, "w", buffering=1) as log, os.fdopen(read) as stream:
         for line in stream:
             log.write(
@@ -91,17 +94,21 @@ def main() -> None:
             m = ITERATION.search(line)
             if m and killed_at is None and int(m.group(1)) >= a.kill_after:
                 last = int(m.group(1))
-                agent = next(g for g in agents if 0 in map(rank_of, workers_of(g.pid)))
-                for pid in [agent.pid, *workers_of(agent.pid)]:
+                lost = next(g for g in agents if 0 in map(rank_of, workers_of(g.pid)))
+                for pid in [lost.pid, *workers_of(lost.pid)]:
                     os.kill(pid, signal.SIGKILL)
                 killed_at = time.monotonic()
-            elif m and killed_at is not None and back_at is None:
-                back_at = time.monotonic()
-            if "event: failure" in line:
-                job_line = line.strip()
+            elif m and killed_at is not None:
+                seen_at = time.monotonic()  # a step the survivors finished after the kill
+            if "event: failure" in line and killed_at is not None and back_at is None:
+                # printed after the first step since the recovery, whose line came just before
+                # (an earlier one may be a step that was done before the kill reached it)
+                job_line, back_at = line.strip(), seen_at
     codes = [g.wait() for g in agents]
     coordinator.kill()
+    survivors = [code for g, code in zip(agents, codes) if killed_at is None or g is not lost]
     result = dict(
+        exit_code=max(survivors, key=abs),  # the survivors' agents': 0 when they all finished
         exit_codes=codes,
         killed_after_iteration=last,
         kill_to_next_step_s=round(back_at - killed_at, 2) if back_at and killed_at else None,

@@ -11,9 +11,8 @@ set -uo pipefail
 OUT=${1:-/tmp/megadyn_lost_host}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export CUDA_VISIBLE_DEVICES_ALL=${CUDA_VISIBLE_DEVICES_ALL:-0,1}
 source scripts/gpu/reference_model.sh
-timeout "${RUN_TIMEOUT:-200}" python3 scripts/gpu/lost_host.py --hosts 2 --nproc-per-host 1 \
+timeout "${RUN_TIMEOUT:-200}" python3 scripts/gpu/lost_host.py --hosts 2 --nproc-per-host 1 --gpus 0,1 \
   --kill-after 12 --log "$OUT/lost_host.log" -- "${REFERENCE_MODEL[@]}" \
   --num-distributed-optimizer-instances 2 --train-iters 20 --log-interval 1 \
   --elastic-control-port 29650 --elastic-heartbeat-timeout 30 | tee "$OUT/lost_host.json"

@@ -25,17 +25,20 @@ regression rule reads the previous lines of docs/gpu-checks.jsonl, so the copy m
 
 Each check has its own timeout (a check over it fails with figure "timeout"; its processes,
 worker trees included, are killed) and the gate a total budget (--budget-s): a check still
-running at its end is stopped the same way, one not started fails with "no time". The three
+running at its end is stopped the same way, one not started fails with "no time". The four
 checks whose figures are timings run first, one at a time, on an idle machine; the others
 (losses and paths) then run --jobs at a time, sharing the GPUs.
 
 Expected seconds on 2 x H100 (process start 15-25 s; the 1.42B model starts in ~30 s and
-steps in ~0.35 s); about 5.5 minutes in all, 8 at most:
+steps in ~0.35 s); about 6.5 minutes in all, 8 at most:
   main_job              ~50   scripts/train_default.sh --train-iters 30 (offline install, data
                               build, tp 2, 8 layers of 512)
   live_change           ~55   1.42B at dp 2, elastic_ctl: -> tp 2 at iteration 6, -> pp 2 at 14, 24 steps
   kill9_recovery        ~85   1.42B dp 2, 2 optimizer instances, 16 steps: kill -9 after 8
                               (megadyn.launch), then the same 16 steps uninterrupted
+  lost_host             ~60   the same job on 2 GPUs as 2 hosts (one megadyn.launch agent each,
+                              the coordinator a third process): the host of rank 0 (agent and
+                              worker) SIGKILLed after 8, losses against the run above
   --- then 3 at a time (~150 s for these nine) ---
   cuda_graph_tp2        ~30   eager and --enable-cuda-graph side by side, tp 2, 8 steps
   sigterm_drain         ~30   small model dp 2, SIGTERM to rank 1 after 10 of 100 steps
