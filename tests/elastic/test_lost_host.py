@@ -14,6 +14,8 @@ store and leads) and for the other one, with --max-restarts 0:
 - the log stays short: no warning per failed send to the lost host.
 Then a worker on host b stopped with SIGSTOP: its watchers on host a cannot kill it (another
 host), so they ask its agent through the store; the agent kills it and the survivors recover.
+And host b lost while a live layout change (an operator's request) is in flight: rank 2 stops
+itself as the change starts building the new layout, and the test then kills host b whole.
 """
 
 import os
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from recovery_helpers import LINE, REPO, run_torchrun, workers_of
@@ -49,9 +52,10 @@ def coordinator(port: int) -> subprocess.Popen:
     return proc
 
 
-def two_hosts(tmp_path, flags: list[str], on_line):
+def two_hosts(tmp_path, flags: list[str], on_line, env=None, control_port=None):
     """Run the job on hosts a and b through a coordinator; returns the agents' exit codes (in
-    the order a, b), the log and the workers' record directory."""
+    the order a, b), the log and the workers' record directory. `env`: more environment for
+    the workers (recover_worker.py)."""
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
@@ -59,9 +63,9 @@ def two_hosts(tmp_path, flags: list[str], on_line):
               "--max-restarts", "0", "--coordinator", f"127.0.0.1:{port}",
               "--rdzv-id", "lost-host", "--host-timeout", "2", "--monitor-interval", "0.1",
               "tests/elastic/recover_worker.py", *TINY, "--train-iters", str(ITERS),
-              "--elastic-control-port", str(free_port()), *TP2, *flags]  # fmt: skip
+              "--elastic-control-port", str(control_port or free_port()), *TP2, *flags]  # fmt: skip
     cmds = [["env", f"MEGADYN_HOST={host}", *launch] for host in "ab"]  # env execs: same pid
-    env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(REPO)}
+    env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(REPO), **(env or {})}
     server = coordinator(port)
     try:
         codes, log = run_torchrun(cmds, on_line, env=env, deadline_s=150)
@@ -126,7 +130,61 @@ def test_a_hung_worker_on_another_host_is_killed_by_its_own_agent(tmp_path, refe
     check_samples(out)
 
 
+def test_a_host_lost_during_a_live_change(tmp_path, reference):  # noqa: F811
+    # the operator asks for tp 2 x pp 2 at iteration 4; rank 2 (host b) stops itself as the
+    # change builds the new layout's groups; the test then kills host b whole. The survivors
+    # recover from what they read from (the old layout's replica on host a) and train on
+    port = free_port()
+    request = ["layout", "--tp", "2", "--pp", "2", "--at-iteration", "4"]
+    tool = subprocess.Popen(
+        [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120", *request],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lost, watching = [], []
+
+    def lose_host_b_once_rank_2_stops(agents):
+        deadline = time.monotonic() + 120
+        while not lost and time.monotonic() < deadline:
+            for agent in agents:
+                ranks = {int(_env(p).get("RANK", -1)): p for p in workers_of(agent.pid)}
+                if 2 in ranks and _state(ranks[2]) == "T":  # stopped inside the change
+                    lost.append(agent.pid)
+                    for pid in [agent.pid, *ranks.values()]:
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    def on_line(line, agents):
+        if not watching and len(agents) == 2:
+            watching.append(threading.Thread(target=lose_host_b_once_rank_2_stops, args=(agents,)))
+            watching[0].start()
+
+    env = {"RECOVER_TEST_IN_RECONFIGURATION": "2:SIGSTOP", "RECOVER_TEST_AWAIT_REQUEST": "1"}
+    try:
+        codes, log, out = two_hosts(tmp_path, [], on_line, env, port)
+        answer = tool.communicate(timeout=60)[0]
+    finally:
+        tool.kill()
+    assert lost and sorted(codes) == [-signal.SIGKILL, 0], (codes, log[-3000:])
+    assert "node rank 1, ranks [2, 3]) is lost" in log, log[-3000:]
+    ((it, old, new, left, *_),) = recoveries(log)
+    assert left == "2,3", log[-3000:]
+    assert "Traceback" not in answer and "frame #" not in answer, answer
+    check_losses(log, reference)
+    check_samples(out)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 def _env(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = (kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        return {k.decode(): v.decode() for k, v in pairs}
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = (kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            return {k.decode(): v.decode() for k, v in pairs}
+    except OSError:  # gone meanwhile
+        return {}
