@@ -14,9 +14,10 @@ small machine (a login node, a Kubernetes service). `--coordinator HOST:PORT` is
 `--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0` (every agent connects
 as a client) and points the workers' MASTER_ADDR and MASTER_PORT at the same store (agent.py).
 
-If the coordinator itself stops, training goes on (the communicators are set up), but no
-failure can be recorded or agreed on until it is back, and a restarted coordinator starts with
-an empty store: start the job again after one.
+The coordinator must run as long as the job: if it stops, each worker's heartbeat thread
+(watchdog.py) finds the store silent and ends its worker after --elastic-heartbeat-timeout
+seconds, and a restarted coordinator starts with an empty store (no rendezvous to restart
+into): the job is started again, from its newest checkpoint.
 """
 
 from __future__ import annotations
