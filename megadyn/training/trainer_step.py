@@ -105,7 +105,8 @@ class TrainerStep:
         """The optimizer step after the gradients are final, and the step's counters."""
         self.updating = True  # until the step is counted: the tensors are between two steps
         try:
-            applied, grad_norm, _ = self.optimizer.step()
+            done = self.optimizer.step()
+            applied, grad_norm = done.applied, done.grad_norm
         except StepInterrupted:
             self.updating = False  # it stopped before changing anything
             raise
