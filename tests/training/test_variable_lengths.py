@@ -50,9 +50,9 @@ def budget_steps(rank, world, argv, budgets):
         groups = ParallelGroups.build(cfg.layout(world), range(world))
         trainer = Trainer(cfg, groups, "cpu", print_fn=lambda *a, **k: None)
         count = len(trainer.train_loader.step_at(0, 8).batches)
-        losses = [trainer.train_step()[0].item()]
+        losses = [trainer.train_step().loss.item()]
         grads = {n: p.main_grad.numpy().copy() for n, p in trainer.chunks[0].named_parameters()}
-        losses.append(trainer.train_step()[0].item())  # after an update from those gradients
+        losses.append(trainer.train_step().loss.item())  # after an update from those gradients
         groups.destroy()
         out.append((losses, grads, count))
     return out
