@@ -79,12 +79,12 @@ def test_pretrain_gpt_trains_with_variable_lengths_and_resumes_under_another_dp(
         f"--save {save} --save-interval 8"
     )
     results = spawn(run_pretrain, world=2, args=(argv,))
-    losses = next(r for r in reversed(results) if r)
+    losses = next(r.history for r in reversed(results) if r.history)
     assert len(losses) == 16 and all(math.isfinite(x) for x in losses), losses
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
     # from the checkpoint of iteration 8 at dp 1 and another budget: the same next samples
     resumed_argv = argv + ["--load", save, "--ckpt-step", "8", "--micro-batch-tokens", "48"]
-    resumed = spawn(run_pretrain, world=1, args=(resumed_argv,))[0]
+    resumed = spawn(run_pretrain, world=1, args=(resumed_argv,))[0].history
     np.testing.assert_allclose(resumed, losses[8:], rtol=1e-5)
 
 
