@@ -101,6 +101,11 @@ def mean_loss(parts: LayoutParts, losses) -> torch.Tensor | None:
     return loss
 
 
+def _records_draws(groups) -> bool:
+    """This rank records what its replica draws: tp 0, cp 0 of the first stage."""
+    return groups.tp_rank == groups.cp_rank == groups.pp_rank == 0
+
+
 class GridStep:
     """1F1B (interleaved) over the layout's grid (module docstring)."""
 
@@ -113,9 +118,9 @@ class GridStep:
     def draw(self, consumed: int) -> Draw | None:
         """One small record per step on tp 0, cp 0 of the first stage (draws.py)."""
         g = self.parts.groups
-        if g.tp_rank == g.cp_rank == g.pp_rank == 0:
-            return Draw(consumed, g.dp_rank, g.dp_size, self.micro_batches(consumed))
-        return None
+        if not _records_draws(g):
+            return None
+        return Draw(consumed, g.dp_rank, g.dp_size, self.micro_batches(consumed))
 
     def run(self, state: TrainState, update: Update) -> StepResult:
         consumed = state.consumed_samples
@@ -139,10 +144,9 @@ class TemplateStep(GridStep):
         return self.parts.hetero.micro_batches
 
     def draw(self, consumed: int) -> Draw | None:
-        g = self.parts.groups
-        if g.tp_rank == g.cp_rank == g.pp_rank == 0:
-            return block_draw(consumed, self.parts.train_loader.samples(consumed))
-        return None
+        if not _records_draws(self.parts.groups):
+            return None
+        return block_draw(consumed, self.parts.train_loader.samples(consumed))
 
 
 class TokenBudgetStep(GridStep):
@@ -150,10 +154,9 @@ class TokenBudgetStep(GridStep):
 
     def draw(self, consumed: int) -> Draw | None:
         g = self.parts.groups
-        if g.tp_rank == g.cp_rank == g.pp_rank == 0:
-            gbs = self.microbatches.global_batch_size(consumed)
-            return Draw(consumed, g.dp_rank, g.dp_size, gbs)
-        return None
+        if not _records_draws(g):
+            return None
+        return Draw(consumed, g.dp_rank, g.dp_size, self.microbatches.global_batch_size(consumed))
 
     def run(self, state: TrainState, update: Update) -> StepResult:
         consumed = state.consumed_samples
