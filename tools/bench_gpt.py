@@ -5,8 +5,9 @@ Megatron-Core reference script prints it (same arguments, same fields, same FLOP
     torchrun --nproc-per-node 2 tools/bench_gpt.py --tp 2 --sp             # megadyn-only: sequence parallel
 
 Random tokens, bf16 weights with fp32 main weights, the distributed optimizer, untied
-embeddings, no dropout: the configuration of the reference script. Timing is the median
-iteration after warm-up; peak memory is the maximum over ranks.
+embeddings, no dropout: the configuration of the reference script. The step timed is the
+trainer's own (`Trainer.train_step`, built as pretrain_gpt.py builds it; megadyn/bench/gpt.py).
+Timing is the median iteration after warm-up; peak memory is the maximum over ranks.
 """
 
 from __future__ import annotations

@@ -3,12 +3,13 @@
     torchrun --nproc-per-node 4 tools/bench_hetero_step.py --pp 2 --steps 30
     torchrun --nproc-per-node 2 tools/bench_hetero_step.py --pp 1
 
-One job builds both over the same processes: the (tp 1, pp, dp) grid (`ParallelGroups`, DDP's
-bucketed data-parallel reduction and the embedding sum) and the same replicas as a
-`HeteroLayout` (`HeteroLayout.from_grid`: per-layer-range reduce groups, `reduce_hetero_grads`,
-each replica's share of the micro batches). Steps alternate between the two (forward, backward,
-reductions, optimizer step; a barrier on either side), so both see the same machine; rank 0
-prints one JSON line with the median step seconds of each and their ratio.
+One job builds both over the same processes, each as the `Trainer` that pretrain_gpt.py runs
+(on synthetic tokens): the (tp 1, pp, dp) grid (`ParallelGroups`, DDP's bucketed data-parallel
+reduction and the embedding sum) and the same replicas as a `HeteroLayout`
+(`HeteroLayout.from_grid`: per-layer-range reduce groups, `reduce_hetero_grads`, each replica's
+share of the micro batches). Steps (`Trainer.train_step`: forward, backward, reductions,
+optimizer step; a barrier on either side) alternate between the two, so both see the same
+machine; rank 0 prints one JSON line with the median step seconds of each and their ratio.
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megadyn.core.distributed import finalize_model_grads  # noqa: E402
 from megadyn.core.groups import ParallelGroups  # noqa: E402
-from megadyn.core.hetero_groups import HeteroGroups, reduce_hetero_grads  # noqa: E402
+from megadyn.core.hetero_groups import HeteroGroups  # noqa: E402
 from megadyn.core.hetero_layout import HeteroLayout  # noqa: E402
 from megadyn.core.layout import Layout  # noqa: E402
 from megadyn.core.optimizer import OptimizerConfig  # noqa: E402
-from megadyn.core.pipeline import forward_backward  # noqa: E402
-from megadyn.models import GPTConfig, lm_loss_for  # noqa: E402
-from megadyn.training.build import build_model_parts, no_sync  # noqa: E402
-from megadyn.training.config import MegadynConfig, TrainingConfig  # noqa: E402
+from megadyn.models import GPTConfig  # noqa: E402
+from megadyn.training.config import DataConfig, MegadynConfig, TrainingConfig  # noqa: E402
+from megadyn.training.trainer import Trainer  # noqa: E402
 
 
 def main() -> None:
@@ -63,48 +62,29 @@ def main() -> None:
     mbs, gbs = a.micro_batch_size, a.global_batch_size
     cfg = MegadynConfig(
         model=model,
-        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs),
+        data=DataConfig(seq_length=a.seq, vocab_size=999, mock_data=True, num_workers=0),
+        training=TrainingConfig(
+            micro_batch_size=mbs, global_batch_size=gbs, train_iters=3 + a.steps, eval_iters=0
+        ),
         optimizer=OptimizerConfig(lr=1e-4, clip_grad=1.0),
     )
     layout = Layout.from_world(world, 1, a.pp)
     micro = gbs // mbs // layout.dp
     grid = ParallelGroups.build(layout, range(world))
     hetero = HeteroGroups.build(HeteroLayout.from_grid(layout, range(world), a.layers, micro))
-    parts = {
-        "grid": build_model_parts(cfg, model, grid, device),
-        "replicas": build_model_parts(cfg, model, hetero, device),
+
+    def quiet(*_, **__) -> None:  # the trainers' lines
+        pass
+
+    trainers = {
+        "grid": Trainer(cfg, grid, device, print_fn=quiet),
+        "replicas": Trainer(cfg, hetero, device, print_fn=quiet),
     }
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "tokens": torch.randint(0, 1000, (mbs, a.seq), generator=g).to(device),
-        "labels": torch.randint(0, 1000, (mbs, a.seq), generator=g).to(device),
-        "loss_mask": torch.ones(mbs, a.seq, device=device),
-        "position_ids": torch.arange(a.seq, device=device).expand(mbs, a.seq),
-    }
-    loss_fn = lm_loss_for(None)
 
     def step(kind: str) -> float:
-        m, groups = parts[kind], grid if kind == "grid" else hetero.replica
         dist.barrier()
         t0 = time.perf_counter()
-        m.optimizer.zero_grad()
-        for d in m.ddp:
-            d.zero_grad_buffer()
-        forward_backward(
-            m.ddp,
-            groups,
-            iter([batch] * micro),
-            micro,
-            config=m.pipeline_cfg,
-            loss_fn=loss_fn,
-            no_sync=lambda: no_sync(m.ddp),
-            loss_scale=1.0 if kind == "grid" else hetero.batch_share,
-        )
-        if kind == "grid":
-            finalize_model_grads(m.ddp, grid)
-        else:
-            reduce_hetero_grads(m.ddp, hetero)
-        m.optimizer.step()
+        trainers[kind].train_step()
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
@@ -131,6 +111,8 @@ def main() -> None:
             ),
             flush=True,
         )
+    for trainer in trainers.values():
+        trainer.release()
     hetero.destroy()
     grid.destroy()
     dist.destroy_process_group()

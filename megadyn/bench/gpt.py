@@ -4,9 +4,11 @@
     device = init_distributed()
     record = run_gpt_bench(a, device)         # the JSON record, the same on every rank
 
-The model, DDP wrappers, optimizer and pipeline config come from `build_model_parts`
-(megadyn/training/build.py), as in training; the batches are random tokens. The record has the
-reference script's fields and FLOPs formula, so numbers compare across frameworks.
+The flags become a job config (`job_config`) and the job is a `Trainer` built as pretrain_gpt.py
+builds it (megadyn/training/trainer.py: the layout's parts, its kind of step); what is timed is
+`Trainer.train_step`, the step training runs, on micro batches of random tokens
+(`RandomTokens`). The record has the reference script's fields and FLOPs formula, so numbers
+compare across frameworks.
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ import torch.distributed as dist
 from megadyn.bench.documents import skewed_document_ids
 from megadyn.bench.trace_overlap import summarize, write_kernels_csv
 from megadyn.core import c10d_compat
-from megadyn.core.distributed import finalize_model_grads
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
-from megadyn.core.pipeline import MicroBatchGraph, check_cuda_graph, forward_backward
+from megadyn.core.pipeline import check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.core.tensor_parallel.fp8_cache import weight_caches
-from megadyn.models import GPTConfig, lm_loss_for
-from megadyn.training.build import ModelParts, build_model_parts, no_sync
-from megadyn.training.config import MegadynConfig, ParallelConfig, TrainingConfig
+from megadyn.data.sampler import DataCursor
+from megadyn.models import GPTConfig
+from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
+from megadyn.training.trainer import Trainer
 
 SEED = 1234
 
@@ -141,7 +143,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
 
 def job_config(a: argparse.Namespace) -> MegadynConfig:
     """The reference script's job: bf16 weights with fp32 main weights, the distributed
-    optimizer, untied embeddings, lr 1e-4, seed 1234."""
+    optimizer, untied embeddings, lr 1e-4, seed 1234; iterations for every timed, warm-up and
+    profiled step, no evaluation. Its data (synthetic tokens) is built but not read: the
+    benchmark's steps read `RandomTokens`."""
     model = GPTConfig.gpt2(
         num_layers=a.layers,
         hidden_size=a.hidden,
@@ -170,6 +174,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
     distopt = not a.no_distributed_optimizer
     return MegadynConfig(
         model=model,
+        data=DataConfig(seq_length=a.seq, vocab_size=a.vocab - 1, mock_data=True, num_workers=0),
         parallel=ParallelConfig(
             tp=a.tp,
             pp=a.pp,
@@ -182,6 +187,8 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
         training=TrainingConfig(
             micro_batch_size=a.mbs,
             global_batch_size=a.gbs,
+            train_iters=a.warmup + a.iters + 2,
+            eval_iters=0,
             seed=SEED,
             recompute=recompute,
             enable_cuda_graph=a.cuda_graph,
@@ -209,31 +216,20 @@ def random_batches(a: argparse.Namespace, dp_rank: int, device):
         yield batch
 
 
-def _loss(loss, batch):
-    return loss.float().mean()
+class RandomTokens(DataCursor):
+    """The trainer's training loader in a benchmark: `random_batches`' micro batches, each
+    moving the global data cursor past one micro batch of every data-parallel rank (as the
+    training loader does)."""
 
+    def __init__(self, batches, samples_per_micro_batch: int):
+        self.batches, self.samples = batches, samples_per_micro_batch
 
-def training_step(parts: ModelParts, groups, batches, num_micro: int, graph):
-    """One optimizer step over `num_micro` micro batches from `batches`, as a function; under
-    context parallelism the loss is the mean over whole sequences, as in training."""
-    loss_fn = lm_loss_for(groups.cp_group) if groups.cp_size > 1 else _loss
+    def __iter__(self):
+        return self
 
-    def step():
-        parts.optimizer.zero_grad()
-        forward_backward(
-            parts.ddp,
-            groups,
-            batches,
-            num_micro,
-            config=parts.pipeline_cfg,
-            loss_fn=loss_fn,
-            no_sync=lambda: no_sync(parts.ddp),
-            cuda_graph=graph,
-        )
-        finalize_model_grads(parts.ddp, groups)
-        parts.optimizer.step()
-
-    return step
+    def __next__(self) -> dict[str, torch.Tensor]:
+        self._consumed += self.samples
+        return next(self.batches)
 
 
 def time_steps(step, sync, warmup: int, iters: int) -> tuple[list[float], list[float]]:
@@ -257,20 +253,18 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     layout = Layout.from_world(world, a.tp, a.pp, a.vpp or 1, a.sp, cp=a.cp)
     layout.validate(num_layers=a.layers, num_attention_heads=a.heads, seq_length=a.seq)
     layout = dataclasses.replace(layout, distopt_instances=a.distopt_instances)  # or refused
-    groups = ParallelGroups.build(layout, range(world))
-    cfg = job_config(a)
-    parts = build_model_parts(cfg, cfg.model, groups, device)
-    for cache in weight_caches(parts.ddp) if a.no_fp8_weight_cache else []:
-        cache.enabled = False
-    data = random_batches(a, groups.dp_rank, device)
-    graph = None
-    if a.cuda_graph:
+    if a.cuda_graph:  # the trainer leaves a layout it cannot capture without a graph: refuse it
         recompute_kind = None if a.recompute == "none" else a.recompute
         check_cuda_graph(
             pp=a.pp, vpp=a.vpp or 1, dropout=0.0, recompute=recompute_kind, device=device
         )
-        graph = MicroBatchGraph(a.cuda_graph_warmup_steps)
-    step = training_step(parts, groups, data, a.gbs // (a.mbs * layout.dp), graph)
+    groups = ParallelGroups.build(layout, range(world))
+    trainer = Trainer(job_config(a), groups, device, print_fn=lambda *_, **__: None)
+    for cache in weight_caches(trainer.ddp) if a.no_fp8_weight_cache else []:
+        cache.enabled = False
+    data = random_batches(a, groups.dp_rank, device)
+    trainer.parts.train_loader = RandomTokens(data, a.mbs * layout.dp)
+    step = trainer.train_step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak, also after other runs
 
@@ -285,10 +279,9 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     mem = torch.tensor([peak], device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     res = record(a, layout.dp, world, times, warmup_times, mem.item())
-    if graph is not None:
-        graph.reset()  # before its communicators go (NCCL waits for graphs that use them)
-    for ddp in parts.ddp:  # the gradient hooks on the parameters would keep the whole job (its
-        ddp.remove_hooks()  # weights, buffers, optimizer) alive after this returns
+    # the CUDA graph goes before its communicators (NCCL waits for graphs that use them), and
+    # the gradient hooks on the parameters, which would keep the whole job alive after this
+    trainer.release()
     groups.destroy()
     return res
 

@@ -1,7 +1,7 @@
 """The run of one megadyn job on one rank: what pretrain_gpt.py (and a forked worker) executes.
 
     sys.exit(errors.run_reported(main))     # pretrain_gpt.py: one message per failure
-    losses = main(argv)                     # a test in a spawned process (process group up)
+    result = main(argv)                     # a RunResult (result.py); a test in a spawned process
 
 `main` brings up the process group, parses the command line into a config for this world (a
 restart may replan the layout: replan.py), starts this host's fork server and the heartbeats,
@@ -31,6 +31,7 @@ from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.launch.failure_watch import FailureWatch
 from megadyn.launch.replan import config_for_world
+from megadyn.launch.result import RunResult
 from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapshot
 from megadyn.launch.watchdog import Watchdog
 from megadyn.training.arguments import distributed_timeout, ignored_vocab_size
@@ -51,9 +52,9 @@ on 2 x H200; a backstop for an abort that does not return, as aborting the group
 another did on torch 2.11)."""
 
 
-def main(argv: list[str] | None = None):
-    """Run the job of command line `argv` on this rank: the logging rank's losses (a dict of
-    losses, samples and events under live reconfiguration)."""
+def main(argv: list[str] | None = None) -> RunResult:
+    """Run the job of command line `argv` on this rank: its losses by iteration (and, under
+    live reconfiguration, the samples it drew and the events it took part in)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     startup.mark("python and imports")
     # seconds of imports that the start itself does not need: checkpoints (snapshots) and the
@@ -181,11 +182,11 @@ def run(
     watchdog: Watchdog | None = None,
     failures: FailureWatch | None = None,
     print_fn=print,
-):
-    """Train the job of `cfg` on this rank. Without live reconfiguration: the per-step losses
-    of the logging rank. With it: this process's losses by iteration, the sample indices it
-    drew and the reconfiguration events it took part in (a standby process trains only after
-    it joins; after a torchrun restart the members start under the job's first layout)."""
+) -> RunResult:
+    """Train the job of `cfg` on this rank: this process's losses by iteration; with live
+    reconfiguration also the sample indices it drew and the reconfiguration events it took
+    part in (a standby process trains only after it joins; after a torchrun restart the
+    members start under the job's first layout)."""
     controller, last_hook = None, None
     if preemption.install(cfg) and not cfg.elastic.live:  # --exit-signal-handler
         saves = bool(cfg.checkpoint.save)
@@ -232,21 +233,20 @@ def run(
         resume(trainer)
     if controller is None:
         try:
-            history = trainer.train()
+            trainer.train()
         except Stopped:  # --exit-signal-handler
-            history = list(trainer.loss_by_iteration.values())
             save_and_stop(trainer)
         for hook in hooks:  # the run is done: every host's snapshot dir goes
             if isinstance(hook, SnapshotKeeper):
                 hook.drop(trainer)
         close(trainer)
-        return history
+        return RunResult(losses=dict(trainer.loss_by_iteration))
     return train_elastic(controller, trainer, failures)
 
 
 def train_elastic(
     controller: ElasticController, trainer: Trainer | None, watch: FailureWatch | None = None
-) -> dict:
+) -> RunResult:
     """Train while the controller keeps this process a member (standby without `trainer`);
     `watch` (failure_watch.py) is told which trainer runs."""
     losses, samples = {}, []
@@ -287,7 +287,7 @@ def train_elastic(
         close(trainer)
         break
     controller.leave_control()
-    return {"losses": losses, "samples": samples, "events": controller.events}
+    return RunResult(losses, samples, controller.events)
 
 
 def recover_or_exit(controller: ElasticController, trainer: Trainer | None) -> Trainer | None:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from megadyn.training.checkpoint_items import rng_items, set_rng_items
+from megadyn.training.steps import gradients
 
 
 def warm_up(trainer) -> None:
@@ -27,8 +28,8 @@ def warm_up(trainer) -> None:
     connected = time.perf_counter()
     batch = trainer.train_loader.batch_at(trainer.train_loader.consumed_samples)
     n = trainer.microbatches.num_micro_batches(trainer.state.consumed_samples, g.dp_size)
-    trainer.gradients(itertools.repeat(batch), n)
-    trainer.zero_grads()  # thrown away
+    gradients(trainer.parts, itertools.repeat(batch), n)
+    trainer.parts.zero_grads()  # thrown away
     set_rng_items(g, trainer.chunks, rng)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)

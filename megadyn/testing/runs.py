@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-def run_pretrain(rank: int, world: int, argv) -> object:
+def run_pretrain(rank: int, world: int, argv):
     """`pretrain_gpt.py`'s job (`megadyn.launch.run.main(argv)`) on this rank
-    (torch.distributed is already initialized)."""
+    (torch.distributed is already initialized): its RunResult (megadyn/launch/result.py)."""
     from megadyn.launch.run import main
 
     return main(list(argv))

@@ -5,8 +5,8 @@
                      no_sync=lambda: no_sync(parts.ddp), ...)
     parts.optimizer.step()
 
-`Trainer.build` (trainer.py) and tools/bench_gpt.py both build through here, so a benchmark
-times the model, wrappers and optimizer that training runs. The seed is drawn in a fixed order
+`build_layout_parts` (layout_parts.py) builds a layout's model through here, for training
+and for the benchmarks that time the trainer's step. The seed is drawn in a fixed order
 (default generator, tracker, weights), so the same config gives the same weights every time.
 """
 

@@ -12,6 +12,7 @@ import torch
 
 from megadyn.core.pipeline import forward_backward
 from megadyn.training.data_setup import build_loader
+from megadyn.training.steps import mean_loss
 from megadyn.training.token_steps import draw_token_step
 
 
@@ -55,7 +56,7 @@ def evaluate(trainer) -> float | None:
         losses += round_losses
     for c in trainer.chunks:
         c.train()
-    loss = trainer._mean_loss(losses)
+    loss = mean_loss(trainer.parts, losses)
     if loss is not None and trainer.logs:
         value = loss.item()
         trainer.print(

@@ -23,8 +23,8 @@ A step at data cursor c with global batch G:
    rank) is not averaged again;
 4. one optimizer step in the base layout (the trainer's).
 
-    hot = HotSwitch.build(cfg, model_cfg, groups, chunks, device)   # in Trainer.build
-    loss, tokens = hot.gradients(trainer, global_batch)             # in Trainer.train_step
+    hot = HotSwitch.build(cfg, model_cfg, groups, chunks, device)   # build_layout_parts
+    loss, tokens = hot.gradients(parts, global_batch, iteration)    # HotSwitchStep (steps.py)
     hot.records[-1]     # HotStep: groups, layouts, switches, switch seconds (printed, and a
                         # `dynamic_parallelism` record in the metrics file, each step)
 """
@@ -163,9 +163,15 @@ class HotSwitch:
     """The plan, the other layouts' model copies, and the step over them (module docstring)."""
 
     def __init__(
-        self, plan: LengthPlan, base: ParallelGroups, others: dict[int, OtherLayout], model_cfg
+        self,
+        plan: LengthPlan,
+        base: ParallelGroups,
+        others: dict[int, OtherLayout],
+        model_cfg,
+        device: torch.device,
     ):
         self.plan, self.base, self.others, self.model_cfg = plan, base, others, model_cfg
+        self.device = device
         self.drawn: list[int] = []
         """Global sample indices this rank read as tp rank 0 of its group's layout."""
         self.records: list[HotStep] = []
@@ -204,7 +210,7 @@ class HotSwitch:
             ddp = [DistributedDataParallel(c, other.dp_group) for c in copies]
             switch = LayoutSwitch(model_cfg, chunks[0], groups, copies[0], other)
             others[k] = OtherLayout(other, copies, ddp, switch)
-        return cls(plan, groups, others, model_cfg)
+        return cls(plan, groups, others, model_cfg, device)
 
     def describe_plan(self) -> str:
         parts = [
@@ -222,14 +228,15 @@ class HotSwitch:
     def _groups(self, k: int) -> ParallelGroups:
         return self.others[k].groups if k in self.others else self.base
 
-    def gradients(self, trainer, global_batch: int) -> tuple[torch.Tensor, int]:
-        """Run the step's groups; the gradients end in the base layout's buffers. Returns the
+    def gradients(self, parts, global_batch: int, iteration: int) -> tuple[torch.Tensor, int]:
+        """Run the step after `iteration` over the base layout's `parts` (layout_parts.py) and
+        the other layouts' copies; the gradients end in the base layout's buffers. Returns the
         step's loss (mean over the batch's loss tokens, on every rank) and its token count."""
-        loader = trainer.train_loader
+        loader = parts.train_loader
         start = loader.consumed_samples
         indices = range(start, start + global_batch)
         lengths = [loader.sample_length(i) for i in indices]
-        record = HotStep(trainer.state.iteration + 1)
+        record = HotStep(iteration + 1)
         shares, about = {}, {}
         for k, positions in enumerate(self.plan.assign(lengths)):
             if not positions:
@@ -247,7 +254,7 @@ class HotSwitch:
         total = int(self._sum_over_members(counted))
         loss_sum, timed, switches = 0.0, [], []
         for k, step in shares.items():  # base first (the plan's order)
-            part, interval = self._run_group(trainer, k, step.batches, total, switches)
+            part, interval = self._run_group(parts, k, step.batches, total, switches)
             loss_sum += part
             timed.append((about[k], interval))
         loss = self._sum_over_members(loss_sum)
@@ -255,30 +262,30 @@ class HotSwitch:
         record.switches = len(switches)
         record.switch_seconds = sum(interval.seconds() for interval in switches)
         self.records.append(record)
-        return torch.tensor(loss, device=trainer.device), total
+        return torch.tensor(loss, device=self.device), total
 
-    def _run_group(self, trainer, k: int, batches, total: int, switches: list):
+    def _run_group(self, parts, k: int, batches, total: int, switches: list):
         """One group's micro batches under its layout; returns this rank's part of the step's
         loss (counted on tp rank 0) and their _Interval; the switches' go into `switches`."""
         other = self.others.get(k)
         g = self._groups(k)
-        ddp = trainer.ddp if other is None else other.ddp
+        ddp = parts.ddp if other is None else other.ddp
         if other is not None:
-            switches.append(_timed(other.switch.weights_to_other, trainer.device))
+            switches.append(_timed(other.switch.weights_to_other, self.device))
             for d in ddp:
                 d.zero_grad_buffer()
         n, part = len(batches), 0.0
-        interval = _Interval(trainer.device)
+        interval = _Interval(self.device)
         if n:
             losses = forward_backward(
                 ddp,
                 g,
                 iter(batches),
                 n,
-                config=trainer.pipeline_cfg,
+                config=parts.pipeline_cfg,
                 loss_fn=global_token_loss(total, n, g.dp_size),
                 no_sync=lambda: no_sync(ddp),
-                loss_scale=trainer.optimizer.loss_scale,
+                loss_scale=parts.optimizer.loss_scale,
             )
             if g.tp_rank == 0:  # each micro batch's value is its token sum x n x dp / total
                 part = float(torch.stack([x.detach().float() for x in losses]).sum()) / (
@@ -287,7 +294,7 @@ class HotSwitch:
         finalize_model_grads(ddp, g)  # a rank without micro batches still takes part
         interval.stop()
         if other is not None:
-            switches.append(_timed(other.switch.grads_to_base, trainer.device))
+            switches.append(_timed(other.switch.grads_to_base, self.device))
         return part, interval
 
     def _sum_over_members(self, value: float) -> float:

@@ -1,102 +1,100 @@
 """The Trainer's disk checkpoints: saving every --save-interval, and loading (--load, or a
 snapshot megadyn/launch resumes from) in two halves that may run apart.
 
-    trainer.save()                          # Trainer.train; async with --async-save
-    trainer.adopt(trainer.read(path))       # = trainer.load(path); read may run in a thread
+    checkpoints = Checkpoints(print_fn)                       # one per Trainer
+    checkpoints.save(cfg, parts, iteration, meta, logs)       # Trainer.save; async with --async-save
+    read = checkpoints.read(cfg, parts, path)                 # may run in a thread
+    meta = checkpoints.apply(cfg, parts, read, scheduler)     # then the Trainer takes the scalars
 
-`TrainerCheckpoints` is a part of `Trainer` (megadyn/training/trainer.py), split off by
-responsibility; the format and its reading are megadyn/training/checkpoint.py's.
+The format and its reading are megadyn/training/checkpoint.py's; the Trainer (trainer.py)
+gives the layout's parts (layout_parts.py) and takes the layout-free scalars back.
 """
 
 from __future__ import annotations
 
 from megadyn.training import checkpoint as ckpt
-from megadyn.training.arguments import dump_args
-from megadyn.training.state import TrainingState
+from megadyn.training.config import MegadynConfig
+from megadyn.training.layout_parts import LayoutParts
 
 
-class TrainerCheckpoints:
-    """Saving and loading checkpoints of `Trainer` (module docstring)."""
+class Checkpoints:
+    """Saving and loading checkpoints of one Trainer (module docstring)."""
 
-    def meta(self) -> dict:
-        """What a checkpoint records beside the tensors (progress, schedule, arguments)."""
-        return {**self.training_state().to_dict(), "args": dump_args(self.cfg)}
+    def __init__(self, print_fn=print):
+        self.print = print_fn
+        self.pending: ckpt.PendingSave | None = None
+        """A checkpoint being saved (--async-save)."""
 
-    def save(self) -> None:
-        self.finish_saves()
-        self.params_ready()
-        c = self.cfg.checkpoint
-        meta = self.meta()
-        self._pending = ckpt.save_checkpoint(
+    def save(
+        self, cfg: MegadynConfig, parts: LayoutParts, iteration: int, meta: dict, logs: bool
+    ) -> None:
+        self.finish(logs)
+        parts.params_ready()
+        c = cfg.checkpoint
+        self.pending = ckpt.save_checkpoint(
             c.save,
-            self.state.iteration,
-            self.chunks,
-            self.optimizer,
-            self.groups,
+            iteration,
+            parts.chunks,
+            parts.optimizer,
+            parts.groups,
             meta,
             keep_last=c.keep_last,
             async_save=c.async_save,
         )
-        if self._pending.future is None:
-            self._said_saved(self._pending)
-        elif self.logs:
-            self.print(
-                f" saving checkpoint at iteration {self.state.iteration} to {c.save}", flush=True
-            )
+        if self.pending.future is None:
+            self._said_saved(self.pending, logs)
+        elif logs:
+            self.print(f" saving checkpoint at iteration {iteration} to {c.save}", flush=True)
 
-    def finish_saves(self) -> None:
+    def finish(self, logs: bool) -> None:
         """Wait for an asynchronous save still being written."""
-        if self._pending is not None and self._pending.future is not None:
-            self._pending.finish()
-            self._said_saved(self._pending)
-        self._pending = None
+        if self.pending is not None and self.pending.future is not None:
+            self.pending.finish()
+            self._said_saved(self.pending, logs)
+        self.pending = None
 
-    def _said_saved(self, done: ckpt.PendingSave) -> None:
-        if self.logs:
+    def _said_saved(self, done: ckpt.PendingSave, logs: bool) -> None:
+        if logs:
             self.print(
                 f" saved checkpoint at iteration {done.iteration} to {done.root} in "
                 f"{done.seconds:.2f} s (checksum_s {done.checksum_s:.2f})",
                 flush=True,
             )
 
-    def load(self, path: str) -> None:
-        self.adopt(self.read(path))
-
-    def read(self, path: str, flag: str = "--load") -> ckpt.ReadCheckpoint:
+    def read(
+        self, cfg: MegadynConfig, parts: LayoutParts, path: str, flag: str = "--load"
+    ) -> ckpt.ReadCheckpoint:
         """Read a checkpoint or snapshot for this layout without touching the model (so it may
         run in a thread beside megadyn/launch/warm_up.py); errors are led by `flag`."""
-        c = self.cfg.checkpoint
+        c = cfg.checkpoint
         return ckpt.read_checkpoint(
             path,
-            self.chunks,
-            self.optimizer,
-            self.groups,
+            parts.chunks,
+            parts.optimizer,
+            parts.groups,
             load_optim=not (c.no_load_optim or c.finetune),
             load_rng=not c.no_load_rng,
             flag=flag,
         )
 
-    def adopt(self, read: ckpt.ReadCheckpoint) -> None:
-        """Put a read checkpoint into the model, optimizer, schedule and data cursor."""
-        c = self.cfg.checkpoint
-        if not c.finetune and "scheduler" in read.meta:  # Megatron's rule, or a ConfigError
+    def apply(
+        self, cfg: MegadynConfig, parts: LayoutParts, read: ckpt.ReadCheckpoint, scheduler
+    ) -> dict:
+        """Put a read checkpoint's tensors into the model and optimizer; its metadata, the
+        schedule's part checked against the command line (Megatron's rule, or a ConfigError)."""
+        if not cfg.checkpoint.finetune and "scheduler" in read.meta:
             saved = read.meta["scheduler"]
-            read.meta["scheduler"] = self.scheduler.resume_state(saved, self.cfg.scheduler)
-        meta = ckpt.apply_checkpoint(read, self.chunks, self.optimizer, self.groups)
-        self.load_training_state(
-            TrainingState.from_dict(meta),
-            progress=not c.finetune and "state" in meta,
-            optimizer=meta["optim_restored"],
-        )
-        if not self.logs:
-            return
+            read.meta["scheduler"] = scheduler.resume_state(saved, cfg.scheduler)
+        return ckpt.apply_checkpoint(read, parts.chunks, parts.optimizer, parts.groups)
+
+    def say_loaded(self, read: ckpt.ReadCheckpoint, meta: dict, iteration: int) -> None:
         if not read.verified:
             self.print(
                 f" {read.path}: not verified (saved before megadyn recorded checksums)",
                 flush=True,
             )
         self.print(
-            f" loaded checkpoint {read.path} at iteration {self.state.iteration} "
+            f" loaded checkpoint {read.path} at iteration {iteration} "
             f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "
             f"RNG {'restored' if meta['rng_restored'] else 'reseeded'}) read in "
             f"{read.seconds:.2f} s (checksum_s {read.checksum_s:.2f})",

@@ -97,7 +97,7 @@ def train(world: int, argv: list[str]) -> list[float]:
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     results = spawn(run_pretrain, world=world, args=(list(argv),))
-    return next(r for r in reversed(results) if r)
+    return next(r.history for r in reversed(results) if r.history)
 
 
 TEXTS = [

@@ -36,9 +36,9 @@ def _run(trainer) -> tuple[list[float], list[torch.Tensor], list[list[torch.Tens
     """Per-step losses (every rank), then the weights and shards after the last step."""
     losses, shards = [], []
     while trainer.state.iteration < STEPS:
-        loss, applied, _ = trainer.train_step()
-        assert applied
-        loss = torch.zeros(()) if loss is None else loss.float().cpu()
+        step = trainer.train_step()
+        assert step.applied
+        loss = torch.zeros(()) if step.loss is None else step.loss.float().cpu()
         dist.all_reduce(loss)  # one last-stage rank per dp replica: the same value each
         losses.append(loss.item())
         shards.append([s.main.clone() for s in trainer.optimizer.shards])

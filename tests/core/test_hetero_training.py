@@ -81,7 +81,7 @@ def train(parts, groups, steps, draw, count: int, share: float, finalize) -> lis
             loss_scale=share,
         )
         finalize()
-        _, norm, _ = parts.optimizer.step()
+        norm = parts.optimizer.step().grad_norm
         losses.append([float(x) for x in out] + [norm])
     return losses
 

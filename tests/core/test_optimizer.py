@@ -10,6 +10,7 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.optimizer import (
     OptimizerConfig,
+    OptimizerStep,
     StepInterrupted,
     build_optimizer,
     uses_weight_decay,
@@ -59,7 +60,8 @@ def train(ddp, opt, groups, steps: int, first_seed: int = 10) -> list[float]:
             ddp(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2]
         ).backward()
         finalize_model_grads([ddp], groups)
-        applied, norm, _ = opt.step()
+        step = opt.step()
+        applied, norm = step.applied, step.grad_norm
         assert applied
         norms.append(norm)
     return norms
@@ -147,7 +149,7 @@ def _tp_norm(rank, world, tp, use_distributed_optimizer):
         else:
             p.main_grad.copy_(grads[name].chunk(tp, dim)[groups.tp_rank])
     finalize_model_grads([ddp], groups)
-    _, norm, _ = opt.step()
+    norm = opt.step().grad_norm
     expected = torch.linalg.vector_norm(torch.cat([g.view(-1) for g in grads.values()]))
     assert abs(norm - expected.item()) < 1e-5 * expected.item(), (norm, expected)
     # the step equals a clipped AdamW step of the full model
@@ -224,7 +226,7 @@ def _tied_embedding(rank, world, zero1):
     tokens, hidden = _embedding_data()
     ddp(tokens if groups.is_first_stage else hidden).backward()
     finalize_model_grads([ddp], groups)
-    _, norm, _ = opt.step()
+    norm = opt.step().grad_norm
 
     # one process: a single embedding used by both stages
     first, last = FirstStage(), LastStage()
@@ -262,7 +264,7 @@ def _loss_scaler(rank, world):
     if rank == 0:
         bucket.grad_data[owned_by_last] = float("inf")
     finalize_model_grads([ddp], groups)
-    assert opt.step() == (False, None, None)
+    assert opt.step() == OptimizerStep(applied=False)
     assert opt.loss_scale == 512.0
     assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters()))
 
@@ -275,7 +277,8 @@ def _loss_scaler(rank, world):
         out = ddp(x.half()).float()
         opt.scale_loss(nn.functional.mse_loss(out, y)).backward()
         finalize_model_grads([ddp], groups)
-        applied, norm, _ = opt.step()
+        step = opt.step()
+        applied, norm = step.applied, step.grad_norm
         assert applied
         if step == 0:  # the norm of the unscaled grads
             assert abs(norm - ref_norm) < 1e-2 * ref_norm, (norm, ref_norm)
@@ -308,7 +311,7 @@ def _interrupted_step(rank, world):
             opt.scale_loss(nn.functional.mse_loss(out, y)).backward()
             finalize_model_grads([ddp], groups)
             if step == 0:
-                assert opt.step()[0]
+                assert opt.step().applied
                 params = [p.detach().clone() for p in ddp.parameters()]
                 state = [opt.param_state(p) for p in opt.params]
                 count, scale = opt.step_count, opt.loss_scale

@@ -6,6 +6,7 @@ the samples it drew and its reconfiguration events as JSON when it ends normally
 Environment: DRAIN_TEST_OUT (the directory for rank<R>.json).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from megadyn.launch.run import main  # noqa: E402
 
 def run_and_write(argv: list[str]) -> None:
     result = main(argv)
-    result = dict(result, losses={str(k): v for k, v in result["losses"].items()})
+    result = dict(dataclasses.asdict(result), losses={str(k): v for k, v in result.losses.items()})
     result["megadyn"] = megadyn.__file__  # the checkout the worker imported
     out = Path(os.environ["DRAIN_TEST_OUT"]) / f"rank{os.environ['RANK']}.json"
     out.write_text(json.dumps(result))

@@ -16,6 +16,7 @@ RECOVER_TEST_AWAIT_REQUEST (optional): the leader's first step boundary waits un
 operator's request is queued.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -94,7 +95,7 @@ def run_and_write(argv: list[str]) -> None:
         leader = controller.ElasticController
         leader._leader_decision = awaiting_a_request(leader._leader_decision)
     result = main(argv)
-    result = dict(result, losses={str(k): v for k, v in result["losses"].items()})
+    result = dict(dataclasses.asdict(result), losses={str(k): v for k, v in result.losses.items()})
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))
 
 

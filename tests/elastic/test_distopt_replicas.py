@@ -75,7 +75,7 @@ def test_live_changes_keep_or_drop_the_second_instance_and_train_like_one_proces
     (2 again): losses equal an uninterrupted single process's, every sample read once."""
     args = ARGS + ["--train-iters", "8"]
     argv = args + ["--num-distributed-optimizer-instances", "2"]
-    reference = spawn(run_pretrain, world=1, args=(args,))[0]
+    reference = spawn(run_pretrain, world=1, args=(args,))[0].history
     port = free_port()
     requests = [
         {"action": "layout", "tp": 2, "pp": 1, "members": 4, "at_iteration": 2},
@@ -85,9 +85,9 @@ def test_live_changes_keep_or_drop_the_second_instance_and_train_like_one_proces
     argv += ["--elastic-control-port", str(port)]
     results = spawn(elastic_run, world=4, args=(argv, port, requests), timeout_s=180)
     merged_losses(results, reference)
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(64)) and set(drawn.values()) == {1}
-    events = [e["new"] for r in results for e in r["events"]]
+    events = [e["new"] for r in results for e in r.events]
     assert set(events) == {"tp2xpp1xdp2+2opt", "tp1xpp2xdp1", "tp1xpp1xdp4+2opt"}
     out = capfd.readouterr().out
     assert out.count("distributed optimizer: 1 instance under dp=1 cp=1") == 1, out

@@ -87,7 +87,7 @@ def test_sigterm_drains_members_and_standby_processes(tmp_path):
     last = max(losses)
     assert sorted(losses) == list(range(1, last + 1))
     assert (tmp_path / "ckpt" / f"iter_{last:07d}").is_dir()  # saved where the job stopped
-    reference = spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(last)],))[0]
+    reference = spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(last)],))[0].history
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
     drawn = Counter(s for r in results.values() for s in r["samples"])

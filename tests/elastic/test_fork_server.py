@@ -13,7 +13,7 @@ from megadyn.testing import free_port, run_pretrain, spawn
 
 def test_restarted_workers_fork_from_the_server(tmp_path):
     iters, interval = 32, 4
-    reference = spawn(run_pretrain, world=1, args=(helpers.args(iters),))[0]
+    reference = spawn(run_pretrain, world=1, args=(helpers.args(iters),))[0].history
     run_id = f"fork-{free_port()}"
     cmd = helpers.torchrun_cmd(
         [

@@ -29,7 +29,7 @@ DISTOPT = ARGS + ["--use-distributed-optimizer"]
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
     """The uninterrupted 1-process run's losses, iterations 1-10."""
-    return spawn(run_pretrain, world=1, args=(ARGS,))[0]
+    return spawn(run_pretrain, world=1, args=(ARGS,))[0].history
 
 
 def test_templates_train_as_one_process_and_resume_on_grids(tmp_path, reference):
@@ -41,17 +41,19 @@ def test_templates_train_as_one_process_and_resume_on_grids(tmp_path, reference)
     results = spawn(run_pretrain, world=5, args=(hetero,), timeout_s=180)
     losses = merged_losses(results, reference[:4])  # the logging rank's, iterations 1-4
     assert sorted(losses) == [1, 2, 3, 4]
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(4 * STEP)) and set(drawn.values()) == {1}
     snap = ["--elastic-snapshot-interval", "2", "--elastic-snapshot-dir", str(tmp_path / "snap")]
-    from_snapshot = spawn(run_pretrain, world=2, args=(ARGS + snap,))[1]  # dp 2, from iteration 2
+    from_snapshot = spawn(run_pretrain, world=2, args=(ARGS + snap,))[
+        1
+    ].history  # dp 2, from iteration 2
     for want, got in zip(reference[2:], from_snapshot, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     resumed = spawn(
         run_pretrain,
         world=2,
         args=(DISTOPT + ["--pipeline-model-parallel-size", "2", "--load", ckpt],),
-    )[1]  # the last stage logs
+    )[1].history  # the last stage logs
     for want, got in zip(reference[4:], resumed, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
@@ -82,14 +84,13 @@ def live_job(rank, world, argv, port):
     import pretrain_gpt
 
     if rank != 0:
-        return pretrain_gpt.main(list(argv))
+        return pretrain_gpt.main(list(argv)), {}
     answers: dict = {}
     t = threading.Thread(target=operate, args=(port, answers), daemon=True)
     t.start()
     out = pretrain_gpt.main(list(argv))
     t.join(timeout=120)
-    out["tool"] = answers
-    return out
+    return out, answers
 
 
 def test_live_changes_between_a_grid_and_templates(reference):
@@ -98,12 +99,12 @@ def test_live_changes_between_a_grid_and_templates(reference):
     argv = DISTOPT + ["--pipeline-model-parallel-size", "2", "--elastic-initial-members", "4"]
     argv += ["--heterogeneous-pipelines", "--elastic-control-port", str(port)]
     results = spawn(live_job, world=5, args=(argv, port), timeout_s=240)
-    tool = results[0]["tool"]
+    tool, results = results[0][1], [r for r, _ in results]
     assert tool["five"][0] == 0 and '"new": "tp1x[pp3+pp2]"' in tool["five"][1], tool["five"]
     assert "replica 1: 2 stages" in tool["show"][1], tool["show"]
     assert tool["three"][0] == 0 and '"new": "tp1x[pp2+pp1]"' in tool["three"][1], tool["three"]
     merged_losses(results, reference)
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(10 * STEP)) and set(drawn.values()) == {1}
 
 

@@ -59,7 +59,7 @@ RECOVERED = re.compile(
 
 @pytest.fixture(scope="module")
 def reference():
-    return spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(ITERS)],))[0]
+    return spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(ITERS)],))[0].history
 
 
 def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, str]],

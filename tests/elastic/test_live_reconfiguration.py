@@ -76,7 +76,7 @@ def merged_losses(results, reference, rtol=1e-5) -> dict:
     """Every rank's losses by iteration, checked against an uninterrupted run's."""
     losses = {}
     for r in results:
-        losses.update(r["losses"])
+        losses.update(r.losses)
     assert sorted(losses) == list(range(1, len(reference) + 1))
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= rtol * abs(want), (i, losses[i], want)
@@ -92,7 +92,7 @@ def elastic_run(rank, world, argv, port, requests):
 
 
 def test_four_reconfigurations_match_uninterrupted_run():
-    reference = spawn(run_pretrain, world=1, args=(ARGS,))[0]
+    reference = spawn(run_pretrain, world=1, args=(ARGS,))[0].history
     port = free_port()
     argv = ARGS + [
         "--tensor-model-parallel-size",
@@ -104,9 +104,9 @@ def test_four_reconfigurations_match_uninterrupted_run():
     ]
     results = spawn(elastic_run, world=4, args=(argv, port, REQUESTS), timeout_s=120)
     merged_losses(results, reference)
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(80)) and set(drawn.values()) == {1}
-    events = [e for r in results for e in r["events"]]
+    events = [e for r in results for e in r.events]
     assert {e["new"] for e in events} == {
         "tp1xpp2xdp2",
         "tp2xpp1xdp1",
@@ -123,14 +123,15 @@ TOOL_COMMANDS = (
 
 def operator_tool(rank, world, argv, port, commands=TOOL_COMMANDS):
     """pretrain_gpt.py on every rank; on rank 0 tools/elastic_ctl.py also sends `commands`
-    ((name, argv) in order); the job's output gets each one's (return code, output)."""
+    ((name, argv) in order); the job's result and each one's (return code, output) (none on
+    other ranks)."""
     import subprocess
     import sys
 
     import pretrain_gpt
 
     if rank != 0:
-        return pretrain_gpt.main(list(argv))
+        return pretrain_gpt.main(list(argv)), {}
     base = [sys.executable, "tools/elastic_ctl.py", "--port", str(port), "--timeout", "120"]
     result = {}
 
@@ -142,8 +143,7 @@ def operator_tool(rank, world, argv, port, commands=TOOL_COMMANDS):
     t.start()
     out = pretrain_gpt.main(list(argv))
     t.join(timeout=120)
-    out["tool"] = {k: (v.returncode, v.stdout + v.stderr) for k, v in result.items()}
-    return out
+    return out, {k: (v.returncode, v.stdout + v.stderr) for k, v in result.items()}
 
 
 STANDBY_REQUESTS = [
@@ -157,7 +157,7 @@ STANDBY_REQUESTS = [
 def test_standby_processes_sit_out_a_change_among_the_members():
     # 2 members at tp 2 and 2 standby processes: every change completes, whether the standby
     # processes join, go back, or take no part; the run trains like an uninterrupted one
-    reference = spawn(run_pretrain, world=1, args=(ARGS,))[0]
+    reference = spawn(run_pretrain, world=1, args=(ARGS,))[0].history
     port = free_port()
     argv = ARGS + [
         "--tensor-model-parallel-size",
@@ -171,30 +171,31 @@ def test_standby_processes_sit_out_a_change_among_the_members():
     ]
     results = spawn(elastic_run, world=4, args=(argv, port, STANDBY_REQUESTS), timeout_s=120)
     merged_losses(results, reference)
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(80)) and set(drawn.values()) == {1}
-    last = [e["new"] for e in sorted(results[0]["events"], key=lambda e: e["epoch"])]
+    last = [e["new"] for e in sorted(results[0].events, key=lambda e: e["epoch"])]
     assert last == ["tp1xpp2xdp2", "tp2xpp1xdp1", "tp1xpp2xdp1", "tp1xpp2xdp2"], last
 
 
 def test_operator_tool_refuses_bad_request_and_releases_processes():
     args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
     args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"  # not chaotic
-    reference = spawn(run_pretrain, world=1, args=(args,))[0]
+    reference = spawn(run_pretrain, world=1, args=(args,))[0].history
     port = free_port()
     argv = args + ["--elastic-control-port", str(port), "--elastic-layout", "pinned"]
     results = spawn(operator_tool, world=4, args=(argv, port), timeout_s=120)
-    (bad_rc, bad_out), (good_rc, good_out) = results[0]["tool"]["bad"], results[0]["tool"]["good"]
+    tool, results = results[0][1], [r for r, _ in results]
+    (bad_rc, bad_out), (good_rc, good_out) = tool["bad"], tool["good"]
     assert bad_rc == 2 and "refused" in bad_out and "--tensor-model-parallel-size" in bad_out, (
         bad_out
     )
     assert good_rc == 0 and '"new": "tp1xpp1xdp2"' in good_out, good_out
     losses = {}
     for r in results:
-        losses.update(r["losses"])
+        losses.update(r.losses)
     for i, want in enumerate(reference, start=1):  # nothing lost: the run went on unchanged
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(1600)) and set(drawn.values()) == {1}
 
 
@@ -205,7 +206,7 @@ def test_rng_streams_move_with_the_state():
     dropout[dropout.index("--hidden-dropout") + 1] = "0.1"
     dropout[dropout.index("--attention-dropout") + 1] = "0.1"
     layout = ["--tensor-model-parallel-size", "2"]
-    reference = spawn(run_pretrain, world=2, args=(dropout + layout,))[1]
+    reference = spawn(run_pretrain, world=2, args=(dropout + layout,))[1].history
     port = free_port()
     argv = dropout + layout + ["--elastic-control-port", str(port)]
     requests = [
@@ -214,8 +215,8 @@ def test_rng_streams_move_with_the_state():
     results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
     losses = {}
     for r in results:
-        losses.update(r["losses"])
-    assert len(results[0]["events"]) == 2
+        losses.update(r.losses)
+    assert len(results[0].events) == 2
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= 1e-6 * abs(want), (i, losses[i], want)
 
@@ -224,12 +225,11 @@ def test_fp16_loss_scale_survives_a_live_change():
     # the dynamic loss scale starts at 2**32, so the first steps overflow and halve it; a live
     # change must carry the reduced scale: a fresh scaler would overflow (and skip) again
     fp16 = ARGS + ["--fp16", "--initial-loss-scale", str(2**20), "--hysteresis", "1"]
-    reference = spawn(run_pretrain, world=2, args=(fp16 + ["--tensor-model-parallel-size", "2"],))[
-        1
-    ]
+    tp2 = fp16 + ["--tensor-model-parallel-size", "2"]
+    reference = spawn(run_pretrain, world=2, args=(tp2,))[1].history
     port = free_port()
     argv = fp16 + ["--tensor-model-parallel-size", "2", "--elastic-control-port", str(port)]
     requests = [{"action": "layout", "tp": 1, "pp": 2, "at_iteration": 6}]
     results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
-    assert len(results[0]["events"]) == 1
+    assert len(results[0].events) == 1
     merged_losses(results, reference)

@@ -22,7 +22,7 @@ from megadyn.testing import free_port, run_pretrain, spawn
 
 def test_two_kills_in_a_row_recover_from_snapshots(tmp_path):
     iters, interval = 40, 4
-    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0].history
     cmd = torchrun_cmd(
         [
             "pretrain_gpt.py",
@@ -107,4 +107,4 @@ def test_without_a_snapshot_the_disk_checkpoint_is_used_and_said(tmp_path, capfd
     )[0]
     out = capfd.readouterr().out
     assert "no complete in-memory snapshot; falling back to the disk checkpoint" in out
-    assert resumed == []  # the disk checkpoint was at the end: nothing left to train
+    assert resumed.losses == {}  # the disk checkpoint was at the end: nothing left to train

@@ -34,7 +34,7 @@ RESUMED = re.compile(r"recovery: resuming from the in-memory snapshot \S*iter_(\
 
 @pytest.fixture(scope="module")
 def reference():
-    return spawn(run_pretrain, world=1, args=(args(ITERS),))[0]
+    return spawn(run_pretrain, world=1, args=(args(ITERS),))[0].history
 
 
 # --- torchrun end to end -----------------------------------------------------------------------
@@ -157,7 +157,7 @@ def test_each_host_holds_the_full_set_after_a_snapshot(stopped_at_7):
 def test_the_peer_copies_replace_a_lost_host_dir(stopped_at_7, tmp_path, capfd, reference):
     run = copy_of(stopped_at_7, tmp_path)
     shutil.rmtree(run / "shm" / "b")
-    losses = spawn(run_as_host, world=2, args=(two_host_flags(run),))[1]
+    losses = spawn(run_as_host, world=2, args=(two_host_flags(run),))[1].history
     out = capfd.readouterr().out
     assert re.search(r"copied \d+ pieces of snapshot iter_0000006 from host a to host b", out), out
     assert RESUMED.findall(out) == ["0000006"], out
@@ -172,7 +172,7 @@ def test_a_piece_lost_on_every_host_falls_back_to_the_disk_checkpoint(
         for it in ("iter_0000004", "iter_0000006"):
             os.remove(run / "shm" / host / it / "__1_0.distcp")
     flags = two_host_flags(run) + ["--load", str(run / "disk")]
-    losses = spawn(run_as_host, world=2, args=(flags,))[1]
+    losses = spawn(run_as_host, world=2, args=(flags,))[1].history
     out = capfd.readouterr().out
     assert (
         f"recovery: no complete in-memory snapshot (in-memory snapshot {run}/shm/b/iter_0000006"

@@ -46,7 +46,7 @@ def test_the_previous_attempt_is_read_from_its_heartbeats():
 
 def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
     iters, timeout = 24, 5
-    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0].history
     cmd = torchrun_cmd(
         [
             "pretrain_gpt.py",
@@ -99,7 +99,7 @@ def test_a_stopped_worker_is_named_and_the_job_restarts(tmp_path):
 
 def test_elastic_mode_resumes_after_a_kill_during_a_live_reshard(tmp_path):
     iters, port = 20, free_port()
-    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0].history
     cmd = torchrun_cmd(
         [
             "tests/elastic/kill_mid_reshard.py",
@@ -149,7 +149,7 @@ def test_a_lost_host_leaves_two_workers_on_a_new_layout(tmp_path):
     # two simulated hosts: two torchrun agents of 2 workers each under --nnodes 1:2, one c10d
     # endpoint; the first agent hosts the rendezvous store (is_host) and is node rank 0
     iters = 24
-    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0]
+    reference = spawn(run_pretrain, world=1, args=(args(iters),))[0].history
     endpoint = f"127.0.0.1:{free_port()}"
     script = [
         "pretrain_gpt.py",

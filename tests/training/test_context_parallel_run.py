@@ -45,11 +45,11 @@ def test_live_changes_tp2_cp2_dp2_train_like_cp1(single):
     results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
     losses = {}
     for r in results:
-        losses.update(r["losses"])
+        losses.update(r.losses)
     close([losses[i] for i in range(1, len(single) + 1)], single)
-    drawn = Counter(s for r in results for s in r["samples"])  # each sample read once
+    drawn = Counter(s for r in results for s in r.samples)  # each sample read once
     assert sorted(drawn) == list(range(4 * len(single))) and set(drawn.values()) == {1}
-    events = [e for r in results for e in r["events"]]
+    events = [e for r in results for e in r.events]
     assert {e["new"] for e in events} == {"tp1xcp2xpp1xdp1", "tp1xpp1xdp2"}
 
 
@@ -60,7 +60,7 @@ def test_a2a_job_refuses_a_cp_its_heads_do_not_allow_and_takes_the_next_request(
     args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
     args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"
     gqa = ["--group-query-attention", "--num-query-groups", "2", "--cp-comm-type", "a2a"]
-    reference = spawn(run_pretrain, world=1, args=(args + gqa[:3],))[0]
+    reference = spawn(run_pretrain, world=1, args=(args + gqa[:3],))[0].history
     port = free_port()
     argv = args + gqa + ["--context-parallel-size", "2", "--elastic-control-port", str(port)]
     commands = (
@@ -68,15 +68,16 @@ def test_a2a_job_refuses_a_cp_its_heads_do_not_allow_and_takes_the_next_request(
         ("good", ["layout", "--tp", "1", "--pp", "1", "--cp", "1"]),
     )
     results = spawn(operator_tool, world=4, args=(argv, port, commands), timeout_s=120)
-    (bad_rc, bad_out), (good_rc, good_out) = results[0]["tool"]["bad"], results[0]["tool"]["good"]
+    tool, results = results[0][1], [r for r, _ in results]
+    (bad_rc, bad_out), (good_rc, good_out) = tool["bad"], tool["good"]
     assert bad_rc == 2 and "refused" in bad_out and "--cp-comm-type a2a" in bad_out, bad_out
     assert good_rc == 0 and '"new": "tp1xpp1xdp4"' in good_out, good_out
     losses = {}
     for r in results:
-        losses.update(r["losses"])
+        losses.update(r.losses)
     for i, want in enumerate(reference, start=1):
         assert abs(losses[i] - want) <= 1e-5 * abs(want), (i, losses[i], want)
-    drawn = Counter(s for r in results for s in r["samples"])
+    drawn = Counter(s for r in results for s in r.samples)
     assert sorted(drawn) == list(range(1600)) and set(drawn.values()) == {1}
 
 

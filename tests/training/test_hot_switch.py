@@ -74,7 +74,7 @@ def static_and_hot(rank, world, argv):
         cfg = parse_args(argv + extra, world_size=world)
         groups = ParallelGroups.build(cfg.layout(world), range(world))
         trainer = Trainer(cfg, groups, "cpu", print_fn=lambda *a, **k: None)
-        out[name] = [trainer.train_step()[0].item() for _ in range(STEPS)]
+        out[name] = [trainer.train_step().loss.item() for _ in range(STEPS)]
         if name == "tp_base":
             out["tp_base_plan"] = [g.layout for g in trainer.hot.plan.groups]
             out["tp_base_switches"] = [r.switches for r in trainer.hot.records]

@@ -63,7 +63,7 @@ COMMON = MODEL + [
 
 def train(world, *flags):
     results = spawn(run_pretrain, world=world, args=(COMMON + list(flags),))
-    return next(r for r in reversed(results) if r)  # the logging (last) rank's losses
+    return next(r.history for r in reversed(results) if r.history)  # the logging (last) rank's
 
 
 def close(a, b, rtol=1e-5):

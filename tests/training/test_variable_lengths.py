@@ -50,9 +50,9 @@ def budget_steps(rank, world, argv, budgets):
         groups = ParallelGroups.build(cfg.layout(world), range(world))
         trainer = Trainer(cfg, groups, "cpu", print_fn=lambda *a, **k: None)
         count = len(trainer.train_loader.step_at(0, 8).batches)
-        losses = [trainer.train_step()[0].item()]
+        losses = [trainer.train_step().loss.item()]
         grads = {n: p.main_grad.numpy().copy() for n, p in trainer.chunks[0].named_parameters()}
-        losses.append(trainer.train_step()[0].item())  # after an update from those gradients
+        losses.append(trainer.train_step().loss.item())  # after an update from those gradients
         groups.destroy()
         out.append((losses, grads, count))
     return out
@@ -79,12 +79,12 @@ def test_pretrain_gpt_trains_with_variable_lengths_and_resumes_under_another_dp(
         f"--save {save} --save-interval 8"
     )
     results = spawn(run_pretrain, world=2, args=(argv,))
-    losses = next(r for r in reversed(results) if r)
+    losses = next(r.history for r in reversed(results) if r.history)
     assert len(losses) == 16 and all(math.isfinite(x) for x in losses), losses
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
     # from the checkpoint of iteration 8 at dp 1 and another budget: the same next samples
     resumed_argv = argv + ["--load", save, "--ckpt-step", "8", "--micro-batch-tokens", "48"]
-    resumed = spawn(run_pretrain, world=1, args=(resumed_argv,))[0]
+    resumed = spawn(run_pretrain, world=1, args=(resumed_argv,))[0].history
     np.testing.assert_allclose(resumed, losses[8:], rtol=1e-5)
 
 

@@ -7,6 +7,7 @@ from megadyn.core.optimizer.config import OptimizerConfig
 from megadyn.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megadyn.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
+    OptimizerStep,
     StepInterrupted,
     build_optimizer,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "DynamicGradScaler",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
+    "OptimizerStep",
     "ParamShard",
     "StepInterrupted",
     "build_optimizer",

@@ -4,7 +4,7 @@
     optimizer = build_optimizer(chunks, chunks, groups, OptimizerConfig(bf16=True))
     forward_backward(..., loss_scale=optimizer.loss_scale)   # fp16: the scaled loss
     finalize_model_grads(chunks, groups)
-    applied, grad_norm, num_zeros = optimizer.step()
+    result = optimizer.step()                # OptimizerStep: applied, grad_norm, num_zeros
     optimizer.zero_grad()
 
 The optimizer works on *shards*: for every parameter, the contiguous range of its flattened
@@ -29,6 +29,7 @@ The state of one parameter (`param_state` / `load_param_state`) is given at the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,7 +46,16 @@ class StepInterrupted(RuntimeError):
     """The communicators were aborted while the step waited on them: nothing was updated."""
 
 
-StepResult = tuple[bool, float | None, int | None]
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What one `MixedPrecisionOptimizer.step` did."""
+
+    applied: bool
+    """The update ran (False: the loss scaler found inf or nan and skipped it)."""
+    grad_norm: float | None = None
+    """The global gradient norm before clipping (None when skipped)."""
+    num_zeros: int | None = None
+    """Zeros in the gradients under --log-num-zeros-in-grad (else None)."""
 
 
 class MixedPrecisionOptimizer:
@@ -158,11 +168,11 @@ class MixedPrecisionOptimizer:
         return loss * self.loss_scale if self.grad_scaler else loss
 
     # --- the step ---------------------------------------------------------------------------
-    def step(self) -> StepResult:
-        """Unscale, check overflow, clip, AdamW, copy back; -> (applied, grad_norm, num_zeros).
+    def step(self) -> OptimizerStep:
+        """Unscale, check overflow, clip, AdamW, copy back.
 
-        A step skipped for overflow returns (False, None, None) and leaves the params as they
-        were. Call after `finalize_model_grads`.
+        A step skipped for overflow returns `OptimizerStep(applied=False)` and leaves the
+        params as they were. Call after `finalize_model_grads`.
         """
         grads = []
         for shard in self.shards:
@@ -176,7 +186,7 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self._drop_main_grads()
-                return False, None, None
+                return OptimizerStep(applied=False)
         tp_rank = self.groups.tp_rank
         counted = [
             g
@@ -195,7 +205,7 @@ class MixedPrecisionOptimizer:
         self._step_count += 1
         self._drop_main_grads()
         self._copy_main_to_model()
-        return True, grad_norm, num_zeros
+        return OptimizerStep(applied=True, grad_norm=grad_norm, num_zeros=num_zeros)
 
     def _stop_if_interrupted(self) -> None:
         """Raise StepInterrupted if the runtime aborted the communicators meanwhile: the value
