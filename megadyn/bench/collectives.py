@@ -1,6 +1,6 @@
 """Time the tensor-parallel collectives of the reference shape on this machine's GPUs.
 
-    torchrun --nproc-per-node 2 tools/bench_collectives.py       # [s, b, h] = [2048, 2, 2048] bf16
+    torchrun --nproc-per-node 2 -m megadyn.bench collectives   # [s, b, h] = [2048, 2, 2048] bf16
 
 NCCL all-reduce of [s, b, h] (plain tensor parallelism), all-gather and reduce-scatter to and
 from [s/tp, b, h] (sequence parallelism), and a column-parallel GEMM (fc1) alone, after its
