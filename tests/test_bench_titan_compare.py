@@ -1,7 +1,7 @@
 """scripts/gpu/titan_compare.sh and megadyn/bench/titan_compare.py on the CPU: the commands of a
 dry run (every row by both frameworks, which one first alternating by round; megadyn's flags
 parse as tools/bench_gpt.py's and give issue 40's 1.50 B Llama; torchtitan's FSDP float8
-settings on the 2-GPU fp8 row only), the table and JSON of a run, and the dispatcher."""
+settings on the 2-GPU fp8 row only), and the table and JSON of a run."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from megadyn.bench.__main__ import BENCHMARKS
-from megadyn.bench.__main__ import main as dispatch
 from megadyn.bench.gpt import parse_args
 from megadyn.bench.gpt_model import model_record
 from megadyn.bench.titan_compare import summarize
@@ -97,11 +95,3 @@ def test_the_table_and_summary_of_a_run(tmp_path):
     )
     assert summary["1gpu_bf16"]["ratios_per_round"] == [1.2, 1.1]
     assert summary["2gpu_fp8"]["torchtitan"] is None and summary["2gpu_fp8"]["ratio"] is None
-
-
-def test_the_dispatcher_lists_every_benchmark(capsys):
-    assert dispatch(["--help"]) == 0
-    listed = capsys.readouterr().out
-    assert all(f"  {name} " in listed for name in BENCHMARKS)
-    assert dispatch(["no_such_bench"]) == 2
-    assert "no benchmark 'no_such_bench'" in capsys.readouterr().err

@@ -17,7 +17,8 @@
 # ONLY="1gpu_bf16 2gpu_fp8" picks rows; TT_STEPS (12, the first TT_WARMUP=4 untimed) and
 # MG_ITERS (8, after 3 warm-up steps) the steps of each run;
 # TITAN_DIR (.bench/titan, else ../shared/bench/titan) the harness; TT_WHEELS (.whl_tt) its
-# wheels; TT_ATTN=flex tries torchtitan's flex attention; DRY_RUN=1 prints the commands only.
+# wheels; TT_ATTN=flex tries torchtitan's flex attention; MEGADYN_ARGS adds flags to every
+# megadyn run; DRY_RUN=1 prints the commands only.
 set -uo pipefail
 TT_VERSIONS="torchtitan==0.2.2 torchao==0.18.0 torchdata==0.11.0 tyro==1.0.17 docstring_parser typeguard typing_extensions"
 if [ "${1:-}" = --prepare ]; then
@@ -30,7 +31,7 @@ if [ "${1:-}" = --prepare ]; then
 fi
 OUT=${1:?usage: titan_compare.sh OUTDIR}; mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-1}; BUDGET_S=${BUDGET_S:-500}; DRY_RUN=${DRY_RUN:-0}; start=$SECONDS
-ONLY=${ONLY:-"1gpu_bf16 1gpu_fp8 2gpu_bf16 2gpu_fp8"}
+ONLY=${ONLY:-"1gpu_bf16 1gpu_fp8 2gpu_bf16 2gpu_fp8"}; MEGADYN_ARGS=${MEGADYN_ARGS:-}
 TT_STEPS=${TT_STEPS:-12}; TT_WARMUP=${TT_WARMUP:-4}; MG_ITERS=${MG_ITERS:-8}; ROW_TIMEOUT=${ROW_TIMEOUT:-240}
 TITAN_DIR=${TITAN_DIR:-.bench/titan}; [ -d "$TITAN_DIR" ] || TITAN_DIR=../shared/bench/titan
 TT_WHEELS=${TT_WHEELS:-.whl_tt}
@@ -66,6 +67,8 @@ run() {  # run FRAMEWORK ROW ROUND: one run, its JSON line into results.jsonl
   if [ "$np" -gt "$NGPU" ]; then echo "skipped ($NGPU GPU): $fw $row"; return; fi
   if [ "$fw" = megadyn ]; then
     read -ra margs <<< "$(python3 -m megadyn.bench titan_compare megadyn-args "$row")"
+    [ "${#margs[@]}" -gt 0 ] || { echo "no megadyn flags for $row (python -m megadyn.bench titan_compare)"; return; }
+    margs+=($MEGADYN_ARGS)
     cmd=(torchrun --standalone --nproc-per-node "$np" tools/bench_gpt.py "${margs[@]}"
       --iters "$MG_ITERS" --warmup 3)
     vars=()
