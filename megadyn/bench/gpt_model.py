@@ -62,7 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--untie-embeddings-and-output-weights",
         action="store_true",
         help="always on here (the reference script's job); accepted as pretrain_gpt.py takes it",
-    )  # fmt: skip
+    )
 
 
 def check_model_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
