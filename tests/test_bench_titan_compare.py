@@ -66,6 +66,42 @@ def test_megadyn_runs_the_llama_of_issue_40(tmp_path):
         assert a.fp8_format == ("hybrid" if row.endswith("fp8") else None)
 
 
+STUB = """#!/usr/bin/env bash
+case "$*" in
+  *tools/bench_gpt.py*) echo '{"framework": "megadyn", "tokens_per_s_per_gpu": 60000.0, "mfu": 0.55, "peak_mem_gib": 33.0}' ;;
+  *tt_run.py*) echo 'step: 1'; echo 'BENCH_JSON {"framework": "torchtitan", "tokens_per_s_per_gpu": 50000.0, "mfu": 0.45, "peak_mem_gib": 30.0, "peak_reserved_gib": 31.0}' ;;
+esac
+"""
+
+
+def test_a_run_with_stubbed_launchers_writes_its_table(tmp_path):
+    """The real (not dry) path with `torchrun` and `nvidia-smi` stubbed: each run's JSON line
+    reaches results.jsonl, and OUTDIR holds the table, the summary, env.txt and the logs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("torchrun", STUB), ("nvidia-smi", "#!/bin/sh\necho stub GPU\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    env.update(NGPU="2", TT_OK="1", TT_WHEELS=str(tmp_path / "none"))
+    done = subprocess.run(
+        ["bash", SCRIPT, str(out)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "env.txt", "logs.tgz", "results.jsonl", "summary.json", "table.md",
+    ]  # fmt: skip
+    table = (out / "table.md").read_text()
+    for row in ("1gpu_bf16", "1gpu_fp8", "2gpu_bf16", "2gpu_fp8"):
+        assert (
+            f"| {row} | 60,000 (55.0%) | 50,000 (45.0%) | 1.200 | 1.200 | 33.0 | 30.0 (31.0) |"
+            in table
+        )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["2gpu_fp8"]["ratio"] == 1.2
+
+
 def test_the_table_and_summary_of_a_run(tmp_path):
     recs = [
         ("megadyn", 1, 60000.0, 40.0), ("torchtitan", 1, 50000.0, 35.0),

@@ -65,10 +65,11 @@ def summarize(path: str) -> tuple[str, dict]:
             ratio=round(mt / tt, 3) if mt and tt else None,
             ratios_per_round=[round(x, 3) for x in ratios],
         )
+        ratio = f"{mt / tt:.3f}" if mt and tt else "-"
         lines.append(
             f"| {name} | {_cell(m, TOKENS, '{:,.0f}')} ({_cell(m, 'mfu', '{:.1%}')}) "
             f"| {_cell(t, TOKENS, '{:,.0f}')} ({_cell(t, 'mfu', '{:.1%}')}) "
-            f"| {summary[name]['ratio'] or '-'} | {' '.join(f'{x:.3f}' for x in ratios) or '-'} "
+            f"| {ratio} | {' '.join(f'{x:.3f}' for x in ratios) or '-'} "
             f"| {_cell(m, 'peak_mem_gib', '{:.1f}')} | {_cell(t, 'peak_mem_gib', '{:.1f}')} "
             f"({_cell(t, 'peak_reserved_gib', '{:.1f}')}) |"
         )
