@@ -1,13 +1,9 @@
-"""tools/bench_table.py: the median over rounds, and each round's ratio from that round's pair."""
+"""megadyn/bench/table.py (tools/bench_table.py): the median over rounds, and each round's
+ratio from that round's pair."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_table.py"
-spec = importlib.util.spec_from_file_location("bench_table", TOOL)
-bench_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_table)
+from megadyn.bench import table as bench_table
 
 
 def result(row, framework, round_, tokens, mem=10.0):

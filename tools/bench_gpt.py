@@ -4,30 +4,17 @@ Megatron-Core reference script prints it (same arguments, same fields, same FLOP
     torchrun --nproc-per-node 2 tools/bench_gpt.py --tp 2 --pp 1           # like mcore_gpt_bench.py
     torchrun --nproc-per-node 2 tools/bench_gpt.py --tp 2 --sp             # megadyn-only: sequence parallel
 
+Llama-style models take pretrain_gpt.py's architecture flags (megadyn/bench/gpt_model.py):
+--swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 500000
+--disable-bias-linear --group-query-attention --num-query-groups 8 --ffn-hidden-size 8192.
 Random tokens, bf16 weights with fp32 main weights, the distributed optimizer, untied
 embeddings, no dropout: the configuration of the reference script. The step timed is the
-trainer's own (`Trainer.train_step`, built as pretrain_gpt.py builds it; megadyn/bench/gpt.py).
-Timing is the median iteration after warm-up; peak memory is the maximum over ranks.
+trainer's own (`Trainer.train_step`, built as pretrain_gpt.py builds it). Timing is the median
+iteration after warm-up; peak memory is the maximum over ranks. The benchmark itself is
+megadyn/bench/gpt.py (also `torchrun ... -m megadyn.bench gpt`).
 """
 
-from __future__ import annotations
-
-import json
-
-import torch.distributed as dist
-
-from megadyn.bench.gpt import parse_args, run_gpt_bench
-from megadyn.launch.distributed_init import init_distributed
-
-
-def main() -> None:
-    a = parse_args(description=__doc__.splitlines()[0])
-    device = init_distributed()
-    res = run_gpt_bench(a, device)
-    if dist.get_rank() == 0:
-        print(json.dumps(res), flush=True)
-    dist.destroy_process_group()
-
+from megadyn.bench import run_gpt_tool
 
 if __name__ == "__main__":
-    main()
+    run_gpt_tool(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 """Simulate the heterogeneous planner against the best homogeneous grid, as a markdown table.
 
-    python tools/simulate_templates.py                    # the table in BENCHMARKS.md
+    python tools/simulate_templates.py                    # the table of docs/benchmarks/history/ (issue 23)
     python tools/simulate_templates.py --members 2 8 --layers 24 --gpu-memory-gib 40
 
 For each model and member count N: the best (tp, pp, dp) grid that `LayoutPlanner` finds on

@@ -1,6 +1,25 @@
-"""Benchmarks of megadyn's training step and live layout changes, and the profiler-trace
-analysis they report; tools/bench_gpt.py, tools/bench_reshard.py and tools/trace_overlap.py
-are their command lines. Results and their history are in BENCHMARKS.md."""
+"""Benchmarks of megadyn's training step, live layout changes, recovery and data path, and the
+tables and profiler-trace analysis they report; `python -m megadyn.bench NAME` runs one
+(`--help` lists them; __main__.py). tools/bench_*.py are the command lines that scripts/gpu/
+and the benchmark READMEs call. Current results are in BENCHMARKS.md."""
+
+
+def run_gpt_tool(argv=None, description: str | None = None) -> None:
+    """tools/bench_gpt.py: one record of the training step (gpt.py), printed by rank 0 as one
+    JSON line (one process per rank, under torchrun)."""
+    import json
+
+    import torch.distributed as dist
+
+    from megadyn.bench.gpt import parse_args, run_gpt_bench
+    from megadyn.launch.distributed_init import init_distributed
+
+    a = parse_args(argv, description=description)
+    device = init_distributed()
+    res = run_gpt_bench(a, device)
+    if dist.get_rank() == 0:
+        print(json.dumps(res), flush=True)
+    dist.destroy_process_group()
 
 
 def run_compare_tool(parse, main, summarize) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.bench.documents import skewed_document_ids
+from megadyn.bench.gpt_model import add_model_args, check_model_args, model_config, model_record
 from megadyn.bench.trace_overlap import summarize, write_kernels_csv
 from megadyn.core import c10d_compat
 from megadyn.core.groups import ParallelGroups
@@ -32,7 +33,6 @@ from megadyn.core.pipeline import check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.core.tensor_parallel.fp8_cache import weight_caches
 from megadyn.data.sampler import DataCursor
-from megadyn.models import GPTConfig
 from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
 from megadyn.training.trainer import Trainer
 
@@ -44,11 +44,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=50304)
+    add_model_args(p)  # the shape and pretrain_gpt.py's architecture flags
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--gbs", type=int, default=16)
     p.add_argument("--iters", type=int, default=20)
@@ -138,7 +134,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
     )
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    check_model_args(p, a)
+    return a
 
 
 def job_config(a: argparse.Namespace) -> MegadynConfig:
@@ -146,26 +144,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
     optimizer, untied embeddings, lr 1e-4, seed 1234; iterations for every timed, warm-up and
     profiled step, no evaluation. Its data (synthetic tokens) is built but not read: the
     benchmark's steps read `RandomTokens`."""
-    model = GPTConfig.gpt2(
-        num_layers=a.layers,
-        hidden_size=a.hidden,
-        num_attention_heads=a.heads,
-        ffn_hidden_size=4 * a.hidden,
-        vocab_size=a.vocab,
-        max_position_embeddings=a.seq,
-        untie_embeddings_and_output_weights=True,
-        params_dtype=torch.bfloat16,
-        gradient_accumulation_fusion=not a.no_grad_accumulation_fusion,
-        fused_loss=dict(auto=None, on=True, off=False)[a.fused_loss],
-        attention_backend=a.attention_backend,
-        tp_comm_overlap=a.tp_comm_overlap,
-        tp_comm_overlap_transport=a.tp_comm_overlap_transport,
-        cp_comm_type=a.cp_comm_type,
-        cp_placement=a.cp_placement,
-        cp_block_size=a.cp_block_size,
-        fp8_format=a.fp8_format,
-        fp8_recipe=a.fp8_recipe,
-    )
+    model = model_config(a)  # pretrain_gpt.py's model for the same flags
     recompute = dict(
         none=RecomputeConfig(),
         selective=RecomputeConfig("selective"),
@@ -298,9 +277,9 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
     MFU by its FLOPs formula, peak memory (the maximum over ranks)."""
     ordered = sorted(times)
     med = ordered[len(ordered) // 2]
-    s, n_layers, h, V, B = a.seq, a.layers, a.hidden, a.vocab, a.gbs
-    flops = 72 * B * s * n_layers * h * h * (1 + s / (6 * h) + V / (12 * n_layers * h))
-    tflops = flops / med / world / 1e12
+    s, n_layers, h, B = a.seq, a.layers, a.hidden, a.gbs
+    model = model_record(a)  # FLOPs by the model's formula (the reference one for GPT-2)
+    tflops = model["flops_per_iter"] / med / world / 1e12
     return dict(
         framework="megadyn",
         tp=a.tp,
@@ -334,6 +313,7 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         tflops_per_gpu=round(tflops, 1),
         mfu=round(tflops / a.peak_tflops, 4),
         peak_mem_gib=round(peak_mem_gib, 2),
+        **model,
     )
 
 

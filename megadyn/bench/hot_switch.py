@@ -18,6 +18,7 @@ base buffers must be bit-equal between the two. One JSON line per mechanism on r
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -31,6 +32,7 @@ from megadyn.core.layout import Layout
 from megadyn.elastic.description import StateDescription, TensorInfo, describe
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.planner import plan_between
+from megadyn.launch.distributed_init import init_distributed
 from megadyn.models import build_gpt_chunks
 from megadyn.models.config import GPTConfig
 from megadyn.models.sharding import param_specs, tp_piece
@@ -152,3 +154,20 @@ def model_config(layers, hidden, heads, ffn, vocab, bf16: bool) -> GPTConfig:
 def print_rows(rows: list[dict]) -> None:
     for row in rows:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+
+
+def main(argv=None) -> None:
+    """tools/bench_hot_switch.py (python -m megadyn.bench hot_switch): one JSON line per row."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=50303)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    device = init_distributed()
+    cfg = model_config(a.layers, a.hidden, a.heads, a.ffn, a.vocab, a.bf16)
+    print_rows(run(cfg, device, a.repeats))
+    dist.destroy_process_group()

@@ -12,6 +12,8 @@ measured on the same state and cards. Also measures point-to-point bandwidth bet
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
 import time
 from typing import Callable
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.elastic.controller import ElasticController, reconfiguration
+from megadyn.launch.distributed_init import init_distributed
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import parse_args
 from megadyn.training.trainer import Trainer
@@ -160,3 +163,21 @@ def _change(trainer, controller, new: Layout, path: str, p2p_bandwidth: float):
         "p2p_gb_s": round(p2p_bandwidth, 1),
         "old": str(old),
     }
+
+
+def main(argv=None) -> None:
+    """tools/bench_reshard.py (python -m megadyn.bench reshard): one JSON line per change."""
+    p = argparse.ArgumentParser(description="Time live layout changes against the checkpoint path.")
+    p.add_argument("--changes", nargs="+", default=["dp4", "tp2xdp2", "cp2xdp2", "tp2xpp2"])
+    p.add_argument("--ckpt-dir", default="/tmp/megadyn_reshard_ckpt")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (a CPU smoke run)")
+    a = p.parse_args(argv)
+    device = init_distributed()
+    run_reshard_bench(
+        a.changes,
+        a.ckpt_dir,
+        device,
+        tiny=a.tiny,
+        report=lambda record: print(json.dumps(record), flush=True),
+    )
+    dist.destroy_process_group()

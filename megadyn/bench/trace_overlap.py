@@ -19,6 +19,9 @@ GPU's work into transfers (NCCL kernels, and memory copies: the copy engines) an
 
 from __future__ import annotations
 
+import argparse
+import json
+
 _GEMM_MARKS = ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")
 
 
@@ -120,3 +123,15 @@ def write_kernels_csv(trace: dict, path: str) -> None:
         w.writerow(["ts", "dur", "stream", "name"])
         for e in sorted(kernels(trace), key=lambda e: e["ts"]):
             w.writerow([e["ts"], e["dur"], e.get("tid"), e["name"][:80]])
+
+
+def main(argv=None) -> None:
+    """tools/trace_overlap.py TRACE.json [--steps N]: the figures of `summarize` as one JSON line."""
+    p = argparse.ArgumentParser(
+        description="How much of a step's communication ran beside compute."
+    )
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, default=1)
+    a = p.parse_args(argv)
+    with open(a.trace) as f:
+        print(json.dumps(summarize(json.load(f), a.steps)))

@@ -26,7 +26,7 @@ from megadyn.core.layout import Layout, LayoutError
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.models.config import GPTConfig
 from megadyn.models.flops import model_flops_per_iteration
-from megadyn.models.sharding import param_specs
+from megadyn.models.sharding import num_params
 
 GiB = 2**30
 
@@ -38,16 +38,6 @@ class Choice:
     recompute: RecomputeConfig
     memory_gib: float
     step_seconds: float
-
-
-def num_params(cfg: GPTConfig) -> int:
-    total = 0
-    for spec in param_specs(cfg).values():
-        n = 1
-        for d in spec.shape:
-            n *= d
-        total += n
-    return total
 
 
 def memory_gib(

@@ -13,6 +13,7 @@ Initialization, checkpoints, resharding and conversion all read this one table.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -131,6 +132,12 @@ def param_specs(cfg: GPTConfig) -> dict[str, ParamSpec]:
         specs += _layer_specs(cfg, i)
     specs += head_specs(cfg)
     return {s.name: s for s in specs}
+
+
+def num_params(cfg: GPTConfig) -> int:
+    """Weights of the model, each global weight counted once (a tied output layer is the
+    embedding; vocabulary padding is not counted)."""
+    return sum(math.prod(spec.shape) for spec in param_specs(cfg).values())
 
 
 def chunk_param_names(cfg: GPTConfig, layout: Layout, pp_rank: int, chunk: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Time the tensor-parallel collectives of the reference shape on this machine's GPUs.
 
-    torchrun --nproc-per-node 2 tools/bench_collectives.py       # [s, b, h] = [2048, 2, 2048] bf16
+    torchrun --nproc-per-node 2 -m megadyn.bench collectives   # [s, b, h] = [2048, 2, 2048] bf16
 
 NCCL all-reduce of [s, b, h] (plain tensor parallelism), all-gather and reduce-scatter to and
 from [s/tp, b, h] (sequence parallelism), and a column-parallel GEMM (fc1) alone, after its
@@ -16,6 +16,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from megadyn.core import c10d_compat
 
 
 def timed(fn, iters: int) -> float:
@@ -60,13 +62,11 @@ def main() -> None:
         ("fc1 GEMM alone", lambda: full @ w.t()),
         ("fc1 all-gather then GEMM", gather_then_gemm),
     ]
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        symm_mem.enable_symm_mem_for_group(g.group_name)
+    try:  # TorchChanged is a RuntimeError
+        c10d_compat.symmetric_memory().enable_symm_mem_for_group(g.group_name)
         fused = torch.ops.symm_mem.fused_all_gather_matmul
         rows.append(("fc1 fused all-gather GEMM", lambda: fused(part, [w.t()], 0, g.group_name)))
-    except (ImportError, AttributeError, RuntimeError) as e:
+    except (AttributeError, RuntimeError) as e:
         print(f"symmetric memory unavailable: {e}")
     times = [(name, timed(fn, a.iters)) for name, fn in rows]
     if dist.get_rank() == 0:

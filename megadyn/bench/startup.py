@@ -1,6 +1,6 @@
 """What a freshly started training process pays once, component by component (GPU machine).
 
-    python tools/bench_startup.py            # one JSON line per component
+    python -m megadyn.bench startup            # one JSON line per component
 
 Each component runs in a new Python process, as a restarted worker would: the interpreter,
 `import torch`, CUDA's context, the imports of pretrain_gpt.py, and the first against the

@@ -1,8 +1,8 @@
 """Time the attention kernels torch offers on this GPU: forward + backward of causal
 scaled_dot_product_attention at the reference shape, one line per kernel.
 
-    python tools/bench_attention.py                      # b 2, heads 16, seq 2048, head dim 128
-    python tools/bench_attention.py --heads 8 --seq 4096
+    python -m megadyn.bench attention                      # b 2, heads 16, seq 2048, head dim 128
+    python -m megadyn.bench attention --heads 8 --seq 4096
 """
 
 from __future__ import annotations

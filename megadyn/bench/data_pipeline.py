@@ -1,6 +1,6 @@
 """Benchmark of the data pipeline (not a test): preprocessing throughput and loader speed.
 
-    python tools/bench_data.py --out-dir /tmp/megadyn_bench_data
+    python -m megadyn.bench data_pipeline --out-dir /tmp/megadyn_bench_data
 
 1. Preprocessing: the default corpus (stdlib docs, repeated to --corpus-mb MB) tokenized with its
    SentencePiece model, with 1 and 2 worker processes: MB/s and documents/s.
