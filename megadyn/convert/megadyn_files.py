@@ -88,9 +88,7 @@ def verify(path: str, meta: dict[str, Any], flag: str) -> None:
     try:
         expected = checksums.Expected.of(meta)
         if expected is None:
-            print(
-                f"{path}: not verified (saved before megadyn recorded checksums)", file=sys.stderr
-            )
+            print(checksums.unverified(path), file=sys.stderr)
         else:
             expected.verify(path)
     except (CheckpointError, ValueError, OSError) as e:

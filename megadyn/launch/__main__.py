@@ -76,7 +76,9 @@ def _coordinator(parser, args: Namespace) -> tuple[str, int]:
     if not host or not port.isdigit():
         parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     if args.rdzv_backend not in ("static", "c10d"):  # static: torchrun's default
-        parser.error(f"--coordinator uses the c10d rendezvous, not --rdzv-backend {args.rdzv_backend}")
+        parser.error(
+            f"--coordinator uses the c10d rendezvous, not --rdzv-backend {args.rdzv_backend}"
+        )
     if args.rdzv_endpoint not in ("", args.coordinator):
         parser.error(
             f"--coordinator {args.coordinator} is the rendezvous endpoint; --rdzv-endpoint "

@@ -184,14 +184,18 @@ class SurvivorKeepingAgent(LocalElasticAgent):
             raise SystemExit(FENCED_EXIT) from None
         except Exception as e:  # noqa: BLE001 - the store is away: one line per outage
             if not self._store_silent:
-                logger.warning("megadyn.launch: the job's store did not take the keep-alive (%s)", e)
+                logger.warning(
+                    "megadyn.launch: the job's store did not take the keep-alive (%s)", e
+                )
             self._store_silent = True
 
     def _exit_barrier(self):
         """torchrun's barrier of every agent at the end, unless a host was lost (its agent
         would never arrive: the barrier would wait out its whole timeout)."""
         if self._hosts is not None and self._hosts.any_lost(self._worker_group.group_world_size):
-            logger.warning("megadyn.launch: a host was lost: not waiting for every agent at the exit")
+            logger.warning(
+                "megadyn.launch: a host was lost: not waiting for every agent at the exit"
+            )
             return
         super()._exit_barrier()
 

@@ -136,7 +136,9 @@ class HostWatch:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 continue  # it ended meanwhile: its exit is recorded like any other
-            self.log(f"megadyn.launch: killed rank {rank} (pid {pid}) at a watcher's request: {why}")
+            self.log(
+                f"megadyn.launch: killed rank {rank} (pid {pid}) at a watcher's request: {why}"
+            )
 
     def _check(self, other: int, now: float) -> None:
         key = host_key(other)

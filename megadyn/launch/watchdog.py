@@ -224,7 +224,11 @@ class Watchdog:
                         self._forgotten.add(key)
                         if not killed:  # on another host: its agent kills it (hosts.py)
                             hosts.request_kill(self.attempt_store, int(key), silent)
-                        how = "killed it (same host)" if killed else "asked its host's agent to kill it"
+                        how = (
+                            "killed it (same host)"
+                            if killed
+                            else "asked its host's agent to kill it"
+                        )
                         self.print(
                             f" watchdog: rank {self.rank}: {silent}; {how}, the survivors recover",
                             flush=True,

@@ -35,6 +35,13 @@ from megadyn.training.checkpoint_reader import CheckpointError
 CHECKSUMS = "checksums"
 """The key of megadyn.json that holds the manifest."""
 ALGORITHM = "crc32"
+
+
+def unverified(path: str) -> str:
+    """The line for a checkpoint without a manifest (loaded, its bytes not checked)."""
+    return f"{path}: not verified (saved before megadyn recorded checksums)"
+
+
 THREADS = 8
 """Threads per rank that read back and checksum its items after a save."""
 _BLOCK = 64 << 20  # bytes read at once

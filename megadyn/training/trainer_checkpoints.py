@@ -13,6 +13,7 @@ gives the layout's parts (layout_parts.py) and takes the layout-free scalars bac
 from __future__ import annotations
 
 from megadyn.training import checkpoint as ckpt
+from megadyn.training import checksums
 from megadyn.training.config import MegadynConfig
 from megadyn.training.layout_parts import LayoutParts
 
@@ -89,10 +90,7 @@ class Checkpoints:
 
     def say_loaded(self, read: ckpt.ReadCheckpoint, meta: dict, iteration: int) -> None:
         if not read.verified:
-            self.print(
-                f" {read.path}: not verified (saved before megadyn recorded checksums)",
-                flush=True,
-            )
+            self.print(f" {checksums.unverified(read.path)}", flush=True)
         self.print(
             f" loaded checkpoint {read.path} at iteration {iteration} "
             f"(optimizer state {'restored' if meta['optim_restored'] else 'not restored'}, "

@@ -80,9 +80,7 @@ def main() -> None:
                "--monitor-interval", "0.1", "--coordinator", f"127.0.0.1:{port}",
                "--rdzv-id", "lost-host", "--host-timeout", str(a.host_timeout),
                "pretrain_gpt.py", *flags]  # fmt: skip
-        agents.append(
-            subprocess.Popen(cmd, env=host_env, stdout=write, stderr=subprocess.STDOUT)
-        )
+        agents.append(subprocess.Popen(cmd, env=host_env, stdout=write, stderr=subprocess.STDOUT))
         time.sleep(0.5)
     os.close(write)
     killed_at = back_at = seen_at = last = job_line = None

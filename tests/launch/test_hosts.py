@@ -114,15 +114,18 @@ def test_the_coordinator_serves_until_told_to_stop():
     cmd = [sys.executable, "-m", "megadyn.launch.coordinator", "--host", "127.0.0.1"]
     proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith(f"megadyn coordinator: serving on 127.0.0.1:{port}")
+        assert proc.stdout.readline().startswith(
+            f"megadyn coordinator: serving on 127.0.0.1:{port}"
+        )
         client = dist.TCPStore("127.0.0.1", port, is_master=False)
         client.set("k", "v")
         assert dist.TCPStore("127.0.0.1", port, is_master=False).get("k") == b"v"
-        busy = subprocess.run([*cmd, "--port", str(port)], capture_output=True, text=True, timeout=120)
+        busy = subprocess.run(
+            [*cmd, "--port", str(port)], capture_output=True, text=True, timeout=120
+        )
         assert busy.returncode == 2 and f"cannot serve on 127.0.0.1:{port}" in busy.stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
         assert "megadyn coordinator: stopped" in proc.stdout.read()
     finally:
         proc.kill()
-
