@@ -39,6 +39,7 @@ from megadyn.training.metrics_log import MetricsLog
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.state import TrainState
+from megadyn.training.straggler_log import StragglerLog
 from megadyn.training.trainer_checkpoints import TrainerCheckpoints
 from megadyn.training.trainer_state import TrainerState
 from megadyn.training.trainer_step import TrainerStep
@@ -82,6 +83,7 @@ class Trainer(TrainerStep, TrainerState, TrainerCheckpoints):
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
         self.metrics_log = MetricsLog.from_config(self.cfg)  # on the logging rank of the time
+        self.stragglers = StragglerLog(self.cfg, self.device)  # --log-straggler's step parts
         self.build(groups, init_weights=init_weights)
 
     # --- layout-dependent parts ----------------------------------------------------------------
@@ -113,6 +115,7 @@ class Trainer(TrainerStep, TrainerState, TrainerCheckpoints):
         if self.hetero is None:
             self._log_distopt_instances(groups.layout)
         self._build_hot_switch(groups)
+        self.stragglers.new_layout(self)
 
     def _build_hot_switch(self, groups) -> None:
         """--dynamic-parallelism: the length plan and its other layouts' model copies."""
@@ -237,4 +240,10 @@ class Trainer(TrainerStep, TrainerState, TrainerCheckpoints):
 
     def evaluate(self) -> float | None:
         """Validation loss over --eval-iters (megadyn/training/evaluation.py)."""
+        self.stragglers.timer.skip_next()  # the next step is slow for everyone
         return evaluate(self)
+
+    @property
+    def straggler_scores(self):
+        """The last interval's straggler verdict (straggler_log.py); None before one."""
+        return self.stragglers.latest

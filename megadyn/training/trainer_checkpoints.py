@@ -23,6 +23,7 @@ class TrainerCheckpoints:
         return {**self.training_state().to_dict(), "args": dump_args(self.cfg)}
 
     def save(self) -> None:
+        self.stragglers.timer.skip_next()  # the next step is slow for everyone
         self.finish_saves()
         self.params_ready()
         c = self.cfg.checkpoint

@@ -42,11 +42,11 @@ class TrainerStep:
     def gradients(self, batches, n: int, loss_fn=None) -> list[torch.Tensor]:
         """Forward and backward of `n` micro batches from `batches`, then the reductions that
         make the gradients final; the micro batches' losses (`loss_fn`: the layout's)."""
-        scale = self.optimizer.loss_scale
+        scale, timer = self.optimizer.loss_scale, self.stragglers.timer
         losses = forward_backward(
             self.ddp,
             self.model_groups,
-            batches,
+            timer.batches(batches),
             n,
             config=self.pipeline_cfg,
             loss_fn=loss_fn or self.loss_fn,
@@ -54,13 +54,16 @@ class TrainerStep:
             cuda_graph=self.cuda_graph,
             loss_scale=self.hetero.loss_scale(scale) if self.hetero else scale,
         )
+        timer.mark("compute")
         if self.hetero is not None:
             self.hetero.finish_grads(self.ddp)
         else:
             finalize_model_grads(self.ddp, self.groups)
+        timer.mark("grads")
         return losses
 
     def train_step(self) -> tuple[torch.Tensor | None, bool, float | None]:
+        self.stragglers.timer.begin()  # the step's parts (rank_timing.py)
         consumed = self.state.consumed_samples
         g = self.groups
         batches, loss_fn = self.train_loader, None
@@ -121,6 +124,7 @@ class TrainerStep:
             "data cursor drifted"
         )
         self.updating = False
+        self.stragglers.timer.mark("update")
         if self.device.type == "cuda":  # when the device is done with this step's work
             self.step_done = self.step_done or torch.cuda.Event()
             self.step_done.record()
