@@ -47,7 +47,7 @@ from megadyn.elastic.recovery import recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.retired_groups import RetiredGroups
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
-from megadyn.elastic.straggler_action import StragglerAction, resolve_exclusion
+from megadyn.elastic.straggler_action import StragglerAction, resolve_straggler
 from megadyn.elastic.watched_store import watching_failures
 
 
@@ -209,13 +209,13 @@ class ElasticController:
         )
 
     def _straggler_decision(self, trainer: ReshardableTrainer):
-        """The verdict's straggler excluded as a reconfiguration (event "straggler",
-        straggler_action.py); None when there is none to exclude."""
+        """The verdict's straggler excluded or its replica given fewer micro batches, as a
+        reconfiguration (event "straggler", straggler_action.py); None when there is none."""
 
-        def resolve(rank: int):
+        def resolve(scores):
             self._calibrate(trainer)
             t = trainer
-            return resolve_exclusion(rank, t.model_cfg, self.cfg, t.groups, self.live, self.cost)
+            return resolve_straggler(scores, t.model_cfg, self.cfg, t.groups, self.live, self.cost)
 
         return self.stragglers.decide(trainer, self.channel, resolve, self.epoch + 1)
 

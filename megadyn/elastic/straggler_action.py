@@ -10,13 +10,15 @@ Every member holds the same verdict (stragglers.py: the scores are all-gathered 
 --log-interval), and the leader acts on it at its next decision. Under `exclude` the straggler
 leaves the layout as a drained rank would (`resolve_exclusion`: a standby process takes its
 place in the same layout where one waits, else the others go on under the layout for their
-count), but it does not exit: it waits as a standby process. The reconfiguration is an event
+count), but it does not exit: it waits as a standby process. Under `rebalance` its replica
+keeps its ranks and runs fewer micro batches (straggler_rebalance.py). Either is an event
 "straggler" of the controller's one path (plan, reshard, rebuild). The leader writes what it
 saw to the control store (`straggler/<epoch>`: rank, host, GPU, score, the median step time
 before); after the first log interval under the new layout the last member prints one line,
-" elastic: straggler: excluded | epoch: ... | rank: 2 | ...", with the step times before and after, and reports it to
-W&B and the metrics file. An exclusion the layout rules refuse (fewer members than
---elastic-min-members, no layout for the rest) is said once per rank, and the job goes on.
+" elastic: straggler: excluded | epoch: ... | rank: 2 | ...", with the step times before and
+after, and reports it to W&B and the metrics file. An action the layout rules refuse (fewer
+members than --elastic-min-members, no layout for the rest, no gain) is said once per rank,
+and the job goes on.
 Under `log` the verdict is only printed (megadyn/training/straggler_log.py), and
 `tools/elastic_ctl.py show` lists the scores under either policy.
 """
@@ -25,12 +27,17 @@ from __future__ import annotations
 
 import json
 
+from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.elastic.events import describe_layout, format_event
 from megadyn.elastic.records import Reconfiguration, reconfiguration
 from megadyn.elastic.requests import replace_or_shrink
+from megadyn.elastic.straggler_rebalance import rebalanced_layout
+from megadyn.elastic.stragglers import StragglerScores
 
 EVENT = "straggler"
-"""The Reconfiguration's event of an exclusion."""
+"""The Reconfiguration's event of an action on a straggler."""
+ACTIONS = {"exclude": "excluded", "rebalance": "rebalanced"}
+"""What the action line says was done, by policy."""
 
 
 def _key(epoch: int) -> str:
@@ -52,43 +59,50 @@ class StragglerAction:
         return {} if scores is None else {"stragglers": scores.to_dict()}
 
     def decide(self, trainer, channel, resolve, epoch: int) -> dict | None:
-        """The leader: {"epoch": n} once the exclusion of the verdict's straggler is published
-        as reconfiguration `epoch` (`resolve(rank)` -> (layout, members)); None otherwise."""
+        """The leader: {"epoch": n} once the action on the verdict's straggler is published as
+        reconfiguration `epoch` (`resolve(scores)` -> (layout, members):
+        `resolve_straggler`); None otherwise."""
+        if self.policy == "log":
+            return None
         scores = trainer.straggler_scores
-        if self.policy != "exclude" or scores is None or scores.straggler is None:
+        if scores is None or scores.straggler is None:
             return None
         rank = scores.straggler
         if rank in self.refused:
             return None
         try:
-            layout, members = resolve(rank)
+            layout, members = resolve(scores)
         except ValueError as e:  # a LayoutError: the layout rules refuse it
             self.refused.add(rank)
             self.print(
-                f" elastic: exclusion of straggler rank {rank} refused: {e}; training continues "
-                "on the old layout (--elastic-straggler-policy exclude)",
+                f" elastic: {self.policy} of straggler rank {rank} refused: {e}; training "
+                f"continues on the old layout (--elastic-straggler-policy {self.policy})",
                 flush=True,
             )
             return None
         figures = scores.ranks[[r.rank for r in scores.ranks].index(rank)]
         seen = {
+            "straggler": ACTIONS[self.policy],
             "rank": rank,
             "host": figures.host,
             "gpu": figures.gpu,
             "score": round(max(scores.scores), 3),
             "before_step_s": round(scores.median_step_s, 6),
         }
+        if isinstance(layout, HeteroLayout):  # rebalanced: the replicas' micro batches
+            seen["micro_batches"] = "+".join(str(r.micro_batches) for r in layout.replicas)
         channel.store.set(_key(epoch), json.dumps(seen))
         rec = reconfiguration(trainer, epoch, layout, members, (), event=EVENT)
         channel.publish_epoch(rec)
         return {"epoch": rec.epoch}
 
     def applied(self, rec: Reconfiguration, channel) -> None:
-        """Every process, once reconfiguration `rec` ran: an exclusion's line is to come."""
+        """Every process, once reconfiguration `rec` ran: an action's line is to come."""
         if rec.event != EVENT or channel is None:
             return
         seen = json.loads(channel.store.get(_key(rec.epoch)))
         self.pending = {
+            "straggler": seen.pop("straggler"),
             "epoch": rec.epoch,
             "iteration": rec.iteration,
             "old": describe_layout(rec.old_layout),
@@ -97,16 +111,24 @@ class StragglerAction:
         }
 
     def after_step(self, trainer) -> None:
-        """Members: after the new layout's first log interval, the exclusion's line (on the
+        """Members: after the new layout's first log interval, the action's line (on the
         last member), with the median step time before and after."""
-        scores = trainer.straggler_scores
-        if self.pending is None or scores is None:
+        if self.pending is None or trainer.straggler_scores is None:
             return
+        scores = trainer.straggler_scores
         event, self.pending = self.pending, None
         event["after_step_s"] = round(scores.median_step_s, 6)
         if trainer.groups.rank == trainer.groups.grid.members[-1]:
-            self.print(format_event({"straggler": "excluded", **event}), flush=True)
+            self.print(format_event(event), flush=True)
             trainer.log_event(EVENT, event)
+
+
+def resolve_straggler(scores: StragglerScores, model_cfg, cfg, groups, live, cost=None):
+    """(layout, members) of --elastic-straggler-policy's action on `scores.straggler`."""
+    if cfg.elastic.straggler_policy == "rebalance":
+        layout = rebalanced_layout(scores, model_cfg, cfg, groups)
+        return layout, list(layout.members)
+    return resolve_exclusion(scores.straggler, model_cfg, cfg, groups, live, cost)
 
 
 def resolve_exclusion(rank: int, model_cfg, cfg, groups, live: list[int], cost=None):

@@ -104,13 +104,13 @@ def check_straggler_flags(cfg: MegadynConfig) -> None:
         )
     if lg.straggler_intervals < 1:
         raise ConfigError(f"--straggler-intervals must be >= 1, got {lg.straggler_intervals}")
-    if policy == "rebalance":
+    if policy != "log" and not cfg.elastic.live:
         raise ConfigError(
-            "--elastic-straggler-policy rebalance is not built yet (uneven micro batches per "
-            "data-parallel replica); use exclude or log"
+            f"--elastic-straggler-policy {policy} changes the layout live: it needs elastic "
+            "mode (--elastic-control-port or --elastic-initial-members)"
         )
-    if policy == "exclude" and not cfg.elastic.live:
+    if policy == "rebalance" and cfg.parallel.heterogeneous_pipelines is None:
         raise ConfigError(
-            "--elastic-straggler-policy exclude changes the layout live: it needs elastic mode "
-            "(--elastic-control-port or --elastic-initial-members)"
+            "--elastic-straggler-policy rebalance gives replicas different micro batch counts: "
+            "it needs --heterogeneous-pipelines"
         )
