@@ -178,7 +178,8 @@ class ElasticConfig:
     """What a detected straggler (a rank whose compute time stays above --straggler-threshold x
     the median for --straggler-intervals log intervals) makes the job do: 'log' prints it;
     'exclude' (elastic mode) moves the job to the layout without it, as a drain of that rank
-    does, and the rank waits as a standby process; 'rebalance' is not built yet
+    does, and the rank waits as a standby process; 'rebalance' (with --heterogeneous-pipelines)
+    gives its data-parallel replica fewer micro batches, the others more
     (--elastic-straggler-policy)."""
 
     @property
