@@ -121,7 +121,7 @@ class ElasticController:
         if self._recovered is not None:
             self._log_recovery(trainer)
         self.check_failures()
-        self.stragglers.after_step(trainer)  # an exclusion's line, once timed after
+        self.stragglers.after_step(trainer)  # a straggler action's line, once timed after
         interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
             return
@@ -162,7 +162,7 @@ class ElasticController:
         drain = self._drain_decision(trainer)  # drain notices first: a grace period runs
         if drain is not None:
             return drain
-        straggler = self._straggler_decision(trainer)  # --elastic-straggler-policy exclude
+        straggler = self._straggler_decision(trainer)  # --elastic-straggler-policy
         if straggler is not None:
             return straggler
         pending = self.channel.pending_request(self.channel.handled())

@@ -129,11 +129,11 @@ class RankTimer:
                 return
             self._pending.pop(0)
             parts: dict[str, float] = {}  # a part marked twice in a step adds up
-            for (name, *_), span in zip(marks[1:], _spans(marks, self.cuda)):
+            spans = _spans(marks, self.cuda)
+            for (name, *_), span in zip(marks[1:], spans):
                 parts[name] = parts.get(name, 0.0) + span
             parts["compute"] = max(parts.get("compute", 0.0) - data_s, 0.0)
-            parts["data"] = data_s
-            parts["step"] = marks[-1][1] - marks[0][1]  # host time, begin to update
+            parts["data"], parts["step"] = data_s, sum(spans)  # step: begin to update
             for k in PARTS:
                 self._sums[k] += parts.get(k, 0.0)
             self._steps += 1
