@@ -48,7 +48,10 @@ def main(argv=None) -> int:
         f"{CONNECT_S:.0f} s to reach the store, {ANSWER_S:.0f} s for the answer)",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("show", help="print the job's layout (its replicas), members and iteration")
+    sub.add_parser(
+        "show",
+        help="print the job's layout (its replicas), members, iteration and straggler scores",
+    )
     lay = sub.add_parser("layout", help="change the layout")
     lay.add_argument("--tp", type=int)
     lay.add_argument("--pp", type=int)

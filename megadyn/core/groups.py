@@ -72,6 +72,9 @@ class ParallelGroups:
     """The ranks holding the same optimizer shard in the other instances (None with N = 1)."""
     members_group: object = None
     """All members of the layout over gloo: checkpoints and other CPU-side collectives."""
+    loop_group: object = None
+    """All members over gloo, for the training loop's thread only (the straggler report):
+    an asynchronous checkpoint may run collectives on `members_group` from its thread."""
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
     pp_ranks: list[int] = field(default_factory=list)
@@ -138,9 +141,10 @@ class ParallelGroups:
         if layout.distopt_instances == 1 and pg.is_member:
             pg.intra_distopt_group, pg.intra_distopt_ranks = pg.dp_cp_group, pg.dp_cp_ranks
         group = _new_group(list(members), "gloo", timeout)
+        loop = _new_group(list(members), "gloo", timeout)
         if pg.is_member:
-            pg._owned.append(group)
-            pg.members_group = group
+            pg._owned += [group, loop]
+            pg.members_group, pg.loop_group = group, loop
             pg.comm.serve(pg.tp_group)  # for layers given --tp-comm-overlap's transport name
         return pg
 
@@ -250,6 +254,6 @@ class ParallelGroups:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.tp_group = self.dp_group = self.pp_group = self.mp_group = None
-        self.embedding_group = self.members_group = None
+        self.embedding_group = self.members_group = self.loop_group = None
         self.cp_group = self.dp_cp_group = None
         self.intra_distopt_group = self.inter_distopt_group = None

@@ -66,6 +66,8 @@ class HeteroGroups:
     """All members over the job's backend: gradient statistics under the distributed
     optimizer (each gradient element is owned by one member). Not `members_group`, on which
     an asynchronous checkpoint may run collectives from its thread meanwhile."""
+    loop_group: object = None
+    """All members over gloo, for the training loop's thread only (the straggler report)."""
     backend: str = ""
     _replicas: list[ParallelGroups] = field(default_factory=list)
     _owned: list = field(default_factory=list)
@@ -95,9 +97,10 @@ class HeteroGroups:
         members = dist.new_group(list(layout.members), backend="gloo", timeout=timeout)
         # a group of its own: checkpoints run on `members` in a background thread
         stats = dist.new_group(list(layout.members), backend=backend, timeout=timeout)
+        loop = dist.new_group(list(layout.members), backend="gloo", timeout=timeout)
         if coords is not None:
-            out.members_group, out.stats_group = members, stats
-            out._owned += [members, stats]
+            out.members_group, out.stats_group, out.loop_group = members, stats, loop
+            out._owned += [members, stats, loop]
         return out
 
     @property
@@ -202,7 +205,7 @@ class HeteroGroups:
             dist.destroy_process_group(group)
         self._owned.clear()
         self.reduce.clear()
-        self.members_group = self.stats_group = None
+        self.members_group = self.stats_group = self.loop_group = None
         for replica in self._replicas:
             replica.destroy()
         self._replicas.clear()

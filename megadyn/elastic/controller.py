@@ -47,6 +47,7 @@ from megadyn.elastic.recovery import recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.retired_groups import RetiredGroups
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
+from megadyn.elastic.straggler_action import StragglerAction, resolve_straggler
 from megadyn.elastic.watched_store import watching_failures
 
 
@@ -109,6 +110,7 @@ class ElasticController:
         self.retired = RetiredGroups()  # the last layout's groups, destroyed by a thread
         self.events: list[dict] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
+        self.stragglers = StragglerAction(cfg, print_fn)  # --elastic-straggler-policy
 
     # --- members: called after every training step ------------------------------------------
     def step_hook(self, trainer: ReshardableTrainer) -> None:
@@ -119,6 +121,7 @@ class ElasticController:
         if self._recovered is not None:
             self._log_recovery(trainer)
         self.check_failures()
+        self.stragglers.after_step(trainer)  # a straggler action's line, once timed after
         interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
             return
@@ -132,6 +135,7 @@ class ElasticController:
                     "live": self.live,
                     "epoch": self.epoch,
                     **replicas_of(groups.layout),
+                    **self.stragglers.state(trainer),
                 }
             )
             self.channel.decide(it, self._leader_decision(trainer))
@@ -158,6 +162,9 @@ class ElasticController:
         drain = self._drain_decision(trainer)  # drain notices first: a grace period runs
         if drain is not None:
             return drain
+        straggler = self._straggler_decision(trainer)  # --elastic-straggler-policy
+        if straggler is not None:
+            return straggler
         pending = self.channel.pending_request(self.channel.handled())
         if pending is None:
             return NONE
@@ -200,6 +207,17 @@ class ElasticController:
         return self.drain.decide(
             trainer, self.cfg, resolve, self.epoch + 1, self.print, recovers=recovers
         )
+
+    def _straggler_decision(self, trainer: ReshardableTrainer):
+        """The verdict's straggler excluded or its replica given fewer micro batches, as a
+        reconfiguration (event "straggler", straggler_action.py); None when there is none."""
+
+        def resolve(scores):
+            self._calibrate(trainer)
+            t = trainer
+            return resolve_straggler(scores, t.model_cfg, self.cfg, t.groups, self.live, self.cost)
+
+        return self.stragglers.decide(trainer, self.channel, resolve, self.epoch + 1)
 
     # --- failures: the survivors stay up (recovery.py) ----------------------------------------
     def check_failures(self) -> None:
@@ -323,6 +341,7 @@ class ElasticController:
         trainer = self._rebuild(change, trainer, new_state)
         t_done = time.perf_counter()
         self._report(change, trainer, (t0, t_plan, t_reshard, t_done))
+        self.stragglers.applied(rec, self.channel)
         if dist.get_rank() in rec.release:
             raise Released(leave=True)  # asked to exit: torchrun keeps the others running
         if trainer is None:

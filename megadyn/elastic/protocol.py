@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from megadyn.core.groups import ParallelGroups
+from megadyn.elastic.stragglers import StragglerScores
 
 
 class ReshardableTrainer(Protocol):
@@ -22,6 +23,9 @@ class ReshardableTrainer(Protocol):
     """The model as trained (its vocabulary is the tokenizer's)."""
     step_seconds: float | None
     """Seconds per step at the last log line (None before one)."""
+    straggler_scores: StragglerScores | None
+    """The last log interval's straggler verdict (stragglers.py), None before one or when
+    no straggler reporting is on."""
 
     @property
     def iteration(self) -> int: ...

@@ -171,6 +171,7 @@ def _add_elastic_args(p: argparse.ArgumentParser) -> None:
     el("--no-elastic-fork-server", "fork_server", action="store_false")
     el("--elastic-recovery", "recovery", choices=["in-process", "restart"])
     el("--exit-signal-handler", "exit_signal_handler", action="store_true")
+    el("--elastic-straggler-policy", "straggler_policy", choices=["log", "exclude", "rebalance"])
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -271,6 +272,9 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     lg("--wandb-exp-name")
     lg("--wandb-save-dir")
     lg("--metrics-file")
+    lg("--log-straggler", action="store_true")
+    lg("--straggler-threshold", type=float)
+    lg("--straggler-intervals", type=int)
 
 
 def distributed_timeout(argv: Sequence[str]) -> timedelta:

@@ -174,6 +174,13 @@ class ElasticConfig:
     exit_signal_handler: bool = False
     """On SIGTERM that is not drained, save a checkpoint (with --save) at the next step boundary
     and exit 0, as Megatron-LM does; without it SIGTERM ends the process (--exit-signal-handler)."""
+    straggler_policy: str = "log"
+    """What a detected straggler (a rank whose compute time stays above --straggler-threshold x
+    the median for --straggler-intervals log intervals) makes the job do: 'log' prints it;
+    'exclude' (elastic mode) moves the job to the layout without it, as a drain of that rank
+    does, and the rank waits as a standby process; 'rebalance' (with --heterogeneous-pipelines)
+    gives its data-parallel replica fewer micro batches, the others more
+    (--elastic-straggler-policy)."""
 
     @property
     def live(self) -> bool:
@@ -349,6 +356,15 @@ class LoggingConfig:
     """JSON-lines file the logging rank appends the iteration metrics and elastic events to,
     one record per --log-interval (tools/plot_run.py and tools/compare_losses.py read it);
     default <--save>/metrics.jsonl, none without --save (--metrics-file)."""
+    log_straggler: bool = False
+    """Every --log-interval, print one line naming the slowest rank by its compute time (forward
+    and backward, waits for data excluded), its host and GPU, and its score against the median
+    rank; the metrics file and W&B get every rank's figures (--log-straggler)."""
+    straggler_threshold: float = 1.15
+    """A rank whose compute time is above this multiple of the median rank's counts as slow in
+    a log interval (--straggler-threshold)."""
+    straggler_intervals: int = 3
+    """Consecutive slow log intervals that make a rank a straggler (--straggler-intervals)."""
 
 
 @dataclass(frozen=True)

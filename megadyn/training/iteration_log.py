@@ -28,8 +28,14 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
     trainer.step_seconds = seconds / iters
     trainer.loss_by_iteration.update((i, v) for (i, _), v in zip(window, values))
     real_tokens, trainer.window_tokens = int(trainer.window_tokens), 0  # a device count
-    if not trainer.logs:
-        return values
+    if trainer.logs:
+        _log_line(trainer, values, grad_norm, seconds, iters, real_tokens)
+    trainer.stragglers.report(trainer)  # every member: the per-rank step parts
+    return values
+
+
+def _log_line(trainer, values, grad_norm, seconds: float, iters: int, real_tokens: int) -> None:
+    """The iteration line, W&B and the metrics file (the logging rank)."""
     cfg, s = trainer.cfg, trainer.state
     gbs = trainer.microbatches.global_batch_size(s.consumed_samples)
     world = trainer.groups.layout.world_size
@@ -65,4 +71,3 @@ def log_window(trainer, window, grad_norm, seconds: float, iters: int) -> list[f
     trainer.print(line, flush=True)
     trainer.wandb.log(wandb_metrics(stats), step=s.iteration)
     trainer.metrics_log.iteration(stats)
-    return values

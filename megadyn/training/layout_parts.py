@@ -30,6 +30,7 @@ from megadyn.training.data_setup import Datasets, build_loader
 from megadyn.training.hetero_step import HeteroStep
 from megadyn.training.hot_switch import HotSwitch
 from megadyn.training.microbatches import MicroBatchCalculator
+from megadyn.training.rank_timing import RankTimer
 from megadyn.training.steps import choose_step
 from megadyn.training.validation import check_variable_lengths
 
@@ -63,6 +64,8 @@ class LayoutParts:
     """The length plan and the other layouts' model copies under --dynamic-parallelism."""
     step: object = field(default=None)
     """This layout's kind of step (steps.py), chosen once when the parts are built."""
+    timer: RankTimer = field(default_factory=lambda: RankTimer("cpu", enabled=False))
+    """The trainer's timer of the step's parts (--log-straggler, rank_timing.py)."""
 
     @property
     def model_groups(self):

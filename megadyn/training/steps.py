@@ -68,11 +68,11 @@ Update = Callable[[], OptimizerStep]
 def gradients(parts: LayoutParts, batches, n: int, loss_fn=None) -> list[torch.Tensor]:
     """Forward and backward of `n` micro batches from `batches`, then the reductions that
     make the gradients final; the micro batches' losses (`loss_fn`: the layout's)."""
-    scale = parts.optimizer.loss_scale
+    scale, timer = parts.optimizer.loss_scale, parts.timer
     losses = forward_backward(
         parts.ddp,
         parts.model_groups,
-        batches,
+        timer.batches(batches),
         n,
         config=parts.pipeline_cfg,
         loss_fn=loss_fn or parts.loss_fn,
@@ -80,10 +80,12 @@ def gradients(parts: LayoutParts, batches, n: int, loss_fn=None) -> list[torch.T
         cuda_graph=parts.cuda_graph,
         loss_scale=parts.hetero.loss_scale(scale) if parts.hetero else scale,
     )
+    timer.mark("compute")
     if parts.hetero is not None:
         parts.hetero.finish_grads(parts.ddp)
     else:
         finalize_model_grads(parts.ddp, parts.groups)
+    timer.mark("grads")
     return losses
 
 

@@ -43,6 +43,7 @@ from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
 from megadyn.training.state import TrainingState, TrainState
 from megadyn.training.steps import StepResult
+from megadyn.training.straggler_log import StragglerLog
 from megadyn.training.tensors import adopt_tensors, export_tensors
 from megadyn.training.trainer_checkpoints import Checkpoints
 from megadyn.training.wandb_logger import create_wandb_logger
@@ -84,6 +85,7 @@ class Trainer:
             self.cfg, dist.get_rank(), dist.get_world_size(), print_fn=self.print
         )
         self.metrics_log = MetricsLog.from_config(self.cfg)  # on the logging rank of the time
+        self.stragglers = StragglerLog(self.cfg, self.device)  # --log-straggler's step parts
         self.build(groups, init_weights=init_weights)
 
     # --- layout-dependent parts (layout_parts.py) ---------------------------------------------
@@ -106,6 +108,8 @@ class Trainer:
             init_weights=init_weights,
             say=self._say if self.logs else None,
         )
+        self.parts.timer = self.stragglers.timer
+        self.stragglers.new_layout(self)
         previous = self.scheduler
         cfg = self.cfg
         self.scheduler = LRScheduler.from_config(
@@ -159,6 +163,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One step of the layout's kind (steps.py) and its counters."""
         step = self.parts.step
+        self.stragglers.timer.begin()  # the step's parts (rank_timing.py)
         draw = step.draw(self.state.consumed_samples)
         if draw is not None:  # one small record per step (draws.py)
             self.draws.append(draw)
@@ -190,6 +195,7 @@ class Trainer:
             "data cursor drifted"
         )
         self.updating = False
+        self.stragglers.timer.mark("update")
         if self.device.type == "cuda":  # when the device is done with this step's work
             self.step_done = self.step_done or torch.cuda.Event()
             self.step_done.record()
@@ -238,7 +244,13 @@ class Trainer:
 
     def evaluate(self) -> float | None:
         """Validation loss over --eval-iters (megadyn/training/evaluation.py)."""
+        self.stragglers.timer.skip_next()  # the next step is slow for everyone
         return evaluate(self)
+
+    @property
+    def straggler_scores(self):
+        """The last interval's straggler verdict (straggler_log.py); None before one."""
+        return self.stragglers.latest
 
     # --- checkpoints (trainer_checkpoints.py) --------------------------------------------------
     def meta(self) -> dict:
@@ -246,6 +258,7 @@ class Trainer:
         return {**self.training_state().to_dict(), "args": dump_args(self.cfg)}
 
     def save(self) -> None:
+        self.stragglers.timer.skip_next()  # the next step is slow for everyone
         self.checkpoints.save(self.cfg, self.parts, self.state.iteration, self.meta(), self.logs)
 
     def finish_saves(self) -> None:

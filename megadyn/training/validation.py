@@ -17,6 +17,7 @@ from megadyn.elastic.requests import context_parallel_conflicts, validate_for
 from megadyn.training.config import ConfigError, ElasticConfig, MegadynConfig
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import check_schedule
+from megadyn.training.straggler_log import check_straggler_flags
 
 __all__ = ["validate"]
 
@@ -34,6 +35,7 @@ def validate(cfg: MegadynConfig, world_size: int) -> None:
     _validate_data(cfg)
     _validate_checkpoint(cfg)
     _validate_timeouts(cfg)
+    check_straggler_flags(cfg)
     if cfg.logging.log_interval < 1:
         raise ConfigError(f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
 

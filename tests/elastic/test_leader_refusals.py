@@ -14,7 +14,10 @@ def leader_body(rank, world, port):
     channel = ControlChannel(connect("127.0.0.1", port, is_server=True, timeout_s=30))
     printed = []
     controller = ElasticController(
-        SimpleNamespace(), channel, "cpu", print_fn=lambda *a, **k: printed.append(a[0])
+        SimpleNamespace(elastic=SimpleNamespace(straggler_policy="log")),
+        channel,
+        "cpu",
+        print_fn=lambda *a, **k: printed.append(a[0]),
     )
     trainer = SimpleNamespace(
         iteration=4, groups=SimpleNamespace(grid=SimpleNamespace(members=[0]))
