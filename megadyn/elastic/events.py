@@ -1,6 +1,6 @@
 """The timing event of a reconfiguration, and its log line.
 
-    event = reconfiguration_event(rec, plan, (t0, t_plan, t_reshard, t_done))
+    event = reconfiguration_event(rec, plan, times)    # times: the transition's (transition.py)
     print(format_event(event))   #  elastic: event: drain | epoch: 1 | iteration: 2 | old: ...
 
 The event is what the controller keeps in `events`, reports to W&B, answers the operator's
@@ -11,21 +11,25 @@ phases' seconds (plan_s, reshard_s, rebuild_s, total_s) and the plan's bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout
 from megadyn.elastic.planner import Plan
 from megadyn.elastic.records import Reconfiguration
 
+if TYPE_CHECKING:
+    from megadyn.elastic.transition import TransitionTimes
 
-def reconfiguration_event(rec: Reconfiguration, plan: Plan, times: tuple[float, ...]) -> dict:
-    """`times`: perf_counter at the start, after PLAN, after RESHARD and after REBUILD."""
-    t0, t_plan, t_reshard, t_done = times
+
+def reconfiguration_event(rec: Reconfiguration, plan: Plan, times: TransitionTimes) -> dict:
+    """The event of a transition that moved tensors, with its phases' seconds."""
     return {
         **_head(rec),
-        "plan_s": round(t_plan - t0, 4),
-        "reshard_s": round(t_reshard - t_plan, 4),
-        "rebuild_s": round(t_done - t_reshard, 4),
-        "total_s": round(t_done - t0, 4),
+        "plan_s": round(times.plan_s, 4),
+        "reshard_s": round(times.move_s, 4),
+        "rebuild_s": round(times.rebuild_s, 4),
+        "total_s": round(times.total_s, 4),
         "bytes_moved": plan.total_bytes,
         "bytes_local": plan.local_bytes,
         "max_rank_send_bytes": plan.max_send,

@@ -2,7 +2,7 @@
 
     layout = pipelines_layout(model_cfg, cfg, (3, 2), members=range(5), device_type="cpu")
     groups = build_groups(layout, members, timeout)        # ParallelGroups or HeteroGroups
-    plan = plan_layouts(model_cfg, old, old_members, new, new_members, cfg)   # the reshard
+    desc = describe_layout_state(model_cfg, layout, members, distopt)   # the reshard's input
     layout = layout_with_templates(model_cfg, cfg, n, members, device_type)   # a scale
 
 Under --heterogeneous-pipelines a layout is a `HeteroLayout` (replicas of different pipeline
@@ -26,7 +26,6 @@ from megadyn.elastic.description import DistOpt, describe
 from megadyn.elastic.hetero_description import describe_hetero
 from megadyn.elastic.hetero_planner import HeteroPlan, HeteroPlanner, grid_or_templates
 from megadyn.elastic.layout_planner import LayoutPlanner
-from megadyn.elastic.planner import Plan, plan_between
 from megadyn.elastic.requests import (
     check_layout,
     device_memory_gib,
@@ -47,14 +46,6 @@ def describe_layout_state(model_cfg, layout, members: Sequence[int], distopt: Di
     if isinstance(layout, HeteroLayout):
         return describe_hetero(model_cfg, layout, distopt=distopt)
     return describe(model_cfg, layout, members, distopt=distopt)
-
-
-def plan_layouts(model_cfg, old, old_members, new, new_members, old_distopt, new_distopt) -> Plan:
-    """The reshard plan between two layouts, either of which may be heterogeneous."""
-    return plan_between(
-        describe_layout_state(model_cfg, old, old_members, old_distopt),
-        describe_layout_state(model_cfg, new, new_members, new_distopt),
-    )
 
 
 def template_planner(model_cfg, cfg, *, device_type: str, cost=None, gpu_memory_gib=None):

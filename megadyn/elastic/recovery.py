@@ -64,11 +64,11 @@ from megadyn.elastic.agreement import (
     more_failures,
 )
 from megadyn.elastic.events import describe_layout
-from megadyn.elastic.executor import execute_plan
-from megadyn.elastic.hetero_job import build_groups, stage_and_tp
+from megadyn.elastic.hetero_job import stage_and_tp
 from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery_decision import decide, recovery_plan
-from megadyn.elastic.watched_store import PeerGone, watching_failures
+from megadyn.elastic.recovery_decision import decide
+from megadyn.elastic.transition import Transition, run_transition
+from megadyn.elastic.watched_store import PeerGone
 
 
 @dataclass
@@ -176,74 +176,59 @@ def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
     )
 
 
+def transition_of(decision: dict) -> Transition:
+    """The decision's transition: the survivors' salvaged tensors (or the snapshot) to the new
+    layout."""
+    return Transition(
+        old_layout=layout_from_dict(decision["old_layout"]),
+        old_members=tuple(decision["old_members"]),
+        layout=layout_from_dict(decision["layout"]),
+        members=tuple(decision["members"]),
+        training=decision["training"],
+        vocab_size=decision["vocab_size"],
+        sources=tuple(decision["sources"]),
+        holding={int(r): k for r, k in decision.get("holding", {}).items()},
+        missing=decision.get("missing"),
+    )
+
+
 def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, feed, created):
-    """PLAN, MOVE and REBUILD by `decision`; returns this process's trainer (None: standby)
-    and the plan. Groups it creates go into `created` (dropped if another failure cuts it
-    short: then a RuntimeError)."""
-    rank, cfg = dist.get_rank(), controller.cfg
-    timeout = cfg.parallel.distributed_timeout
-    layout, members = layout_from_dict(decision["layout"]), list(decision["members"])
-    old_layout, old_members = layout_from_dict(decision["old_layout"]), decision["old_members"]
-    sources = decision["sources"]
-    group_count_at_least(decision["group_count"])
-    span = sorted(set(sources) | set(members))
-    if not rnd.arrive(rank, span, feed, feed.timeout_s):
-        raise PeerGone("another process failed before the survivors connected")
+    """PLAN, MOVE and REBUILD by `decision` (transition.py); returns this process's trainer
+    (None: standby), the plan and the phases' seconds. Groups it creates go into `created`
+    (dropped if another failure cuts it short: then a RuntimeError)."""
+    t = transition_of(decision)
+
+    def prepare():  # the survivors first meet in the store: a peer may have died meanwhile
+        group_count_at_least(decision["group_count"])
+        if not rnd.arrive(dist.get_rank(), t.span, feed, feed.timeout_s):
+            raise PeerGone("another process failed before the survivors connected")
+
+    def restore(trainer):
+        _restore_rng(rnd, trainer, t.old_layout, t.old_members, t.holding)
+
     # a group's creation waits in the store for each peer: a peer that dies meanwhile ends the
     # wait when its failure is recorded (PeerGone), one that hangs after the recovery's timeout
     # (its watchers kill it sooner); later collectives get the job's timeout
-    connect = min(timedelta(seconds=feed.timeout_s), timeout)
-    with watching_failures(lambda: bool(set(feed.dead()) - rnd.dead)):
-        span_group = dist.new_group(span, timeout=connect)  # every survivor, in one order
-        created.append(span_group)
-        groups = build_groups(layout, members, timeout=connect)
-        created.append(groups)
-    groups.set_timeout(timeout)
-    model_cfg = cfg.model.with_(vocab_size=decision["vocab_size"])
-    plan = None
-    if sources:
-        plan = recovery_plan(
-            model_cfg, controller.distopt_of, old_layout, old_members, layout, members, sources
-        )
-    t_move = time.perf_counter()
-    new_state = {}
-    if plan is not None and rank in span:
-        held = decision["holding"].get(str(rank))
-        local = salvaged.holding(held).tensors if held is not None else {}
-        new_state = execute_plan(
-            plan,
-            local.__getitem__,
-            group=span_group,
-            device=controller.device,
-            round_bytes=cfg.elastic.reshard_chunk_mb * 2**20,
-        )
-    t_rebuild = time.perf_counter()
-    training = decision["training"]
-    if rank not in members:
-        if trainer is not None:
-            trainer.release()
-        trainer = None
-    elif trainer is None:  # a standby process takes a dead member's place
-        trainer = controller.make_trainer(groups, training, controller.step_hook)
-    else:
-        trainer.rebuild(groups, training)
-    if trainer is not None:
-        if plan is not None:
-            trainer.take(new_state, training)
-            _restore_rng(rnd, trainer, old_layout, old_members, decision["holding"])
-        elif not controller.resume(trainer):
-            raise RecoveryError(f"{decision['missing']}, and no in-memory snapshot to load")
-    dist.destroy_process_group(span_group)
-    created.remove(span_group)
-    return trainer, plan, (t_move, t_rebuild)
+    env = controller.env
+    return run_transition(
+        t,
+        trainer,
+        env,
+        prepare=prepare,
+        connect_timeout=min(timedelta(seconds=feed.timeout_s), env.timeout),
+        watch=lambda: bool(set(feed.dead()) - rnd.dead),
+        restore_rng=restore,
+        salvaged=salvaged,
+        created=created,
+    )
 
 
-def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding: dict) -> None:
+def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding) -> None:
     """The RNG streams of the lowest source at this rank's (pp, tp) coordinates, if any, from
     the holding it is read from (`holding`: source -> its index)."""
     g = trainer.groups
-    for src in sorted(holding, key=int):
-        if stage_and_tp(old_layout, old_members, int(src)) == (g.pp_rank, g.tp_rank):
+    for src in sorted(holding):
+        if stage_and_tp(old_layout, old_members, src) == (g.pp_rank, g.tp_rank):
             states = rnd.read(f"rng/{src}/{holding[src]}")
             trainer.set_rng_states(torch.load(io.BytesIO(states)))
             return
@@ -274,9 +259,10 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
         rnd, survivors, decision = agree(controller, salvaged, feed)
         t_agree = time.perf_counter()
         try:
-            trainer, plan, (t_move, t_rebuild) = move_and_rebuild(
+            trainer, plan, times = move_and_rebuild(
                 controller, trainer, salvaged, rnd, decision, feed, created
             )
+            t_rehost = time.perf_counter()
             if controller.control_rank in rnd.dead:  # the control store went with its host
                 rehost(controller, rnd, decision["control"], feed)
             break
@@ -316,9 +302,9 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
         "detect_s": round(max(0.0, wall0 - failed_at), 4),
         "abort_s": round(t_abort - t0, 4),
         "agree_s": round(t_agree - t_abort, 4),
-        "plan_s": round(t_move - t_agree, 4),
-        "move_s": round(t_rebuild - t_move, 4),
-        "rebuild_s": round(t_done - t_rebuild, 4),
+        "plan_s": round(times.plan_s, 4),
+        "move_s": round(times.move_s, 4),
+        "rebuild_s": round(times.rebuild_s + t_done - t_rehost, 4),
         "bytes_moved": plan.total_bytes if plan is not None else 0,
         "members": decision["members"],
         "failed_at": failed_at,

@@ -9,10 +9,10 @@ the only holder of a piece under the recovery's layout, while the layout before 
 replica on a survivor). Each holding is a view: (layout, members) at one step. The decision
 tries the survivors' common current view first, then the earlier views, and in each view the
 oldest step every holder reached; it reads only from survivors whose tensors are at that step
-(`restrict`). The new layout and members come from requests.replace_or_shrink, the rule a
-drain and a failure share: a waiting standby process takes each lost member's place in the same
-layout, else the layout for the processes left (requests.layout_for_remaining) keeping the
-global batch.
+(transition.restrict). The new layout and members come from requests.replace_or_shrink, the
+rule a drain and a failure share: a waiting standby process takes each lost member's place in
+the same layout, else the layout for the processes left (requests.layout_for_remaining)
+keeping the global batch.
 """
 
 from __future__ import annotations
@@ -23,27 +23,12 @@ from types import SimpleNamespace
 from megadyn.core.hetero_layout import layout_from_dict, layout_to_dict
 from megadyn.core.layout import LayoutError
 from megadyn.elastic.agreement import Report
-from megadyn.elastic.description import StateDescription
-from megadyn.elastic.hetero_job import describe_layout_state
-from megadyn.elastic.planner import PlanError, plan_between
+from megadyn.elastic.planner import PlanError
 from megadyn.elastic.requests import replace_or_shrink
+from megadyn.elastic.transition import plan_from
 
 View = tuple[str, tuple[int, ...]]
 """(the layout as sorted JSON, its members): what one holding is laid out as."""
-
-
-def restrict(desc: StateDescription, holders) -> StateDescription:
-    """`desc` with only the pieces that `holders` hold: the replicas a recovery may read."""
-    keep = set(holders)
-    return StateDescription(desc.tensors, {r: p for r, p in desc.pieces.items() if r in keep})
-
-
-def recovery_plan(model_cfg, distopt_of, old_layout, old_members, layout, members, sources):
-    """The reshard plan that rebuilds `layout` over `members` from `sources` alone (PlanError
-    when some piece has no holder among them)."""
-    old = describe_layout_state(model_cfg, old_layout, old_members, distopt_of(old_layout))
-    new = describe_layout_state(model_cfg, layout, members, distopt_of(layout))
-    return plan_between(restrict(old, sources), new)
 
 
 def holdings(report: Report) -> dict[View, tuple[int, int, dict]]:
@@ -106,7 +91,7 @@ def _decide_in_view(controller, model_cfg, backend, reports, dead, view: View, h
     for it in steps:  # the oldest step first: every holder went that far
         sources = sorted(r for r, (_, step, _) in holders.items() if step == it)
         try:
-            recovery_plan(
+            plan_from(
                 model_cfg,
                 controller.distopt_of,
                 old_layout,

@@ -6,7 +6,8 @@ Each rank writes SAMPLES_DIR/r<rank>_rebuild<n>.txt per live change: the rebuild
 (CUDA synchronized) and its 25 most frequent stacks, sampled every 4 ms. Time spent inside a C++
 call shows under the Python line that made it, where cProfile showed nothing (the rebuild's
 1.64 s in NCCL group destruction, BENCHMARKS.md, eighth session). Run from the tree to measure;
-it wraps ElasticController._rebuild of that tree's megadyn.
+it wraps the transition's REBUILD phase of that tree's megadyn (megadyn/elastic/transition.py's
+`rebuild`; ElasticController._rebuild in trees before the transition).
 """
 
 import collections
@@ -21,10 +22,17 @@ import torch
 
 import megadyn.elastic.controller as controller
 
+try:
+    import megadyn.elastic.transition as transition
+except ImportError:  # a tree before the transition: the controller rebuilt
+    transition = None
+
 OUT = os.environ["SAMPLES_DIR"]
 RANK = int(os.environ.get("RANK", 0))
 MAIN = threading.main_thread().ident
-_rebuild = controller.ElasticController._rebuild
+_owner = controller.ElasticController if transition is None else transition
+_name = "_rebuild" if transition is None else "rebuild"
+_rebuild = getattr(_owner, _name)
 _changes = iter(range(1 << 30))
 
 
@@ -39,13 +47,13 @@ def _sample(stop: threading.Event, counts: collections.Counter) -> None:
         time.sleep(0.004)
 
 
-def sampled_rebuild(self, *args, **kwargs):
+def sampled_rebuild(*args, **kwargs):
     stop, counts = threading.Event(), collections.Counter()
     sampler = threading.Thread(target=_sample, args=(stop, counts), daemon=True)
     sampler.start()
     start = time.perf_counter()
     try:
-        return _rebuild(self, *args, **kwargs)
+        return _rebuild(*args, **kwargs)
     finally:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -57,7 +65,7 @@ def sampled_rebuild(self, *args, **kwargs):
             f.writelines(f"{n:5d} {stack}\n" for stack, n in counts.most_common(25))
 
 
-controller.ElasticController._rebuild = sampled_rebuild
+setattr(_owner, _name, sampled_rebuild)
 os.makedirs(OUT, exist_ok=True)
 sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
 runpy.run_path("pretrain_gpt.py", run_name="__main__")

@@ -143,10 +143,10 @@ def test_recovery_and_drain_keep_templates():
 
     from megadyn.core.hetero_layout import HeteroLayout, layout_from_dict, layout_to_dict
     from megadyn.elastic.agreement import Report
-    from megadyn.elastic.controller import distopt_of
     from megadyn.elastic.hetero_job import pipelines_layout
     from megadyn.elastic.recovery import decide
     from megadyn.elastic.requests import resolve_drain
+    from megadyn.elastic.transition import distopt_of
     from megadyn.training.arguments import parse_args
 
     flags = ["--heterogeneous-pipelines", "3", "2", "--elastic-initial-members", "5"]

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import Holding, RecoveryError, Report, Round
-from megadyn.elastic.controller import distopt_of
 from megadyn.elastic.planner import PlanError
 from megadyn.elastic.recovery import abort
-from megadyn.elastic.recovery_decision import decide, recovery_plan
+from megadyn.elastic.recovery_decision import decide
+from megadyn.elastic.transition import distopt_of, plan_from
 from megadyn.training.arguments import parse_args
 
 TINY = (
@@ -92,10 +92,10 @@ def test_a_dead_ranks_optimizer_shard_has_no_replica():
     d = decide(controller, cfg.model, "gloo", reports(dp2, range(2), {0: 4}), {1})
     assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
     with pytest.raises(PlanError):
-        recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
+        plan_from(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
     # without it every piece of rank 1 is a data-parallel copy of rank 0's
     cfg, controller, groups = setup(dp2, range(2))
-    plan = recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
+    plan = plan_from(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
     assert plan.total_bytes == 0 and {t.src for t in plan.transfers} == {0}
 
 
