@@ -14,6 +14,7 @@ to process, without a disk checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import cached_property, partial
 
@@ -26,7 +27,13 @@ from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, po
 from megadyn.elastic.control import NONE, UNCHANGED, ControlChannel
 from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
-from megadyn.elastic.events import format_event, membership_event, reconfiguration_event
+from megadyn.elastic.events import (
+    Event,
+    FailureEvent,
+    format_event,
+    membership_event,
+    reconfiguration_event,
+)
 from megadyn.elastic.hetero_job import replicas_of
 from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import Plan
@@ -38,7 +45,7 @@ from megadyn.elastic.records import (
     RequestError,
     reconfiguration,
 )
-from megadyn.elastic.recovery import recover
+from megadyn.elastic.recovery import RecoveryContext, recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.retired_groups import RetiredGroups
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
@@ -93,11 +100,11 @@ class ElasticController:
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.finished = False  # the job's end was reached (finish, or Finish while standby)
         self.members: list[int] = []  # the layout's, known to standby processes too
-        self._recovered: tuple[dict, float] | None = None  # its first step is still to time
+        self._recovered: tuple[FailureEvent, float] | None = None  # its first step is still to time
         self.recovered_since_boundary = False  # the leader then looks for a request cut short
         self.kept = None  # what the last recovery read from, until its first step ends
         self.retired = RetiredGroups()  # the last layout's groups, destroyed by a thread
-        self.events: list[dict] = []
+        self.events: list[Event] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
 
     @cached_property
@@ -187,7 +194,7 @@ class ElasticController:
         rec = reconfiguration(
             trainer, self.epoch + 1, layout, members, release, event=request.action, request=rid
         )
-        self.channel.take(rid)  # until answered: a failure may cut the reconfiguration short
+        self.channel.mark_taken(rid)  # until answered: a failure may cut the reconfiguration short
         self.channel.publish_epoch(rec)
         return {"epoch": rec.epoch}
 
@@ -238,17 +245,27 @@ class ElasticController:
         """The survivors' recovery (recovery.py): the trainer this process runs next, None
         when it waits as standby."""
         self.retired.join(timeout_s=10.0)  # NCCL's abort ends a shutdown that waits on the dead
-        trainer, event = recover(self, trainer, self.failures)
+        ctx = RecoveryContext(
+            cfg=self.cfg,
+            env=self.env,
+            feed=self.failures,
+            live=self.live,
+            kept=self.kept,
+            control_rank=self.control_rank,
+            rehost=self.rehost_control,
+        )
+        self.kept = None
+        recovered = recover(ctx, trainer)
+        self.kept, self.live = recovered.kept, recovered.live
         self.epoch += 1
         self.recovered_since_boundary = True
-        self.members = list(event.pop("members"))
-        event = {"epoch": self.epoch, **event}
-        if trainer is not None:  # its line comes after the first step
+        self.members = list(recovered.event.members)
+        event = dataclasses.replace(recovered.event, epoch=self.epoch)
+        if recovered.trainer is not None:  # its line comes after the first step
             self._recovered = (event, time.perf_counter())
         else:
-            event.pop("failed_at")
             self.events.append(event)
-        return trainer
+        return recovered.trainer
 
     def rehost_control(self, rank: int, host: str, timeout_s: float) -> None:
         """The control store's host died: process `rank` (on `host`) serves a new one on the
@@ -269,14 +286,16 @@ class ElasticController:
         first step's seconds and the total from the failure's record."""
         event, t_done = self._recovered
         self._recovered = self.kept = None
-        failed_at = event.pop("failed_at")
-        event["first_step_s"] = round(time.perf_counter() - t_done, 4)
-        event["total_s"] = round(time.time() - failed_at, 4)
-        event["completed"] = trainer.iteration
+        event = dataclasses.replace(
+            event,
+            first_step_s=round(time.perf_counter() - t_done, 4),
+            total_s=round(time.time() - event.failed_at, 4),
+            completed=trainer.iteration,
+        )
         self.events.append(event)
         if dist.get_rank() == trainer.groups.grid.members[-1]:
             self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event)
+            trainer.log_event("reconfiguration", event.to_dict())
 
     def _calibrate(self, trainer: ReshardableTrainer) -> None:
         """Calibrate the layout planner's cost model on this layout's measured step time."""
@@ -347,9 +366,9 @@ class ElasticController:
         self.events.append(event)
         if dist.get_rank() == rec.members[-1]:  # one measurement: log line, W&B, answer
             self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event)
+            trainer.log_event("reconfiguration", event.to_dict())
             if rec.request is not None:
-                self.channel.answer(rec.request, {"status": "done", **event})
+                self.channel.answer(rec.request, {"status": "done", **event.to_dict()})
 
     def _shrink_live_set(self, rec: Reconfiguration, trainer):
         """Only processes outside the layout leave: nothing moves, no group is built."""
@@ -358,7 +377,7 @@ class ElasticController:
         self.events.append(event)
         if dist.get_rank() == rec.members[-1]:
             self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event)
+            trainer.log_event("reconfiguration", event.to_dict())
         if dist.get_rank() in rec.release or trainer is None:
             raise Released(leave=dist.get_rank() in rec.release)
         return trainer

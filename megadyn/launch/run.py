@@ -287,7 +287,8 @@ def train_elastic(
         close(trainer)
         break
     controller.leave_control()
-    return {"losses": losses, "samples": samples, "events": controller.events}
+    events = [e.to_dict() for e in controller.events]
+    return {"losses": losses, "samples": samples, "events": events}
 
 
 def recover_or_exit(controller: ElasticController, trainer: Trainer | None) -> Trainer | None:
