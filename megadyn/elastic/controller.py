@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, poll
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.control import NONE, UNCHANGED, ControlChannel
-from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
 from megadyn.elastic.events import (
     Event,
@@ -71,7 +71,7 @@ class ElasticController:
 
     def __init__(
         self,
-        cfg,
+        cfg: JobConfig,
         channel: ControlChannel | None,
         device,
         *,
@@ -277,9 +277,6 @@ class ElasticController:
         self.control_rank = rank
         if dist.get_rank() == rank:
             self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
-
-    def distopt_of(self, layout: Layout) -> DistOpt | None:
-        return distopt_of(self.cfg, layout)
 
     def _log_recovery(self, trainer: ReshardableTrainer) -> None:
         """After the first step since a recovery: its line (on the last member), with the

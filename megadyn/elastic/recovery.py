@@ -64,6 +64,7 @@ from megadyn.elastic.agreement import (
     Round,
     more_failures,
 )
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.events import FailureEvent, describe_layout
 from megadyn.elastic.hetero_job import stage_and_tp
 from megadyn.elastic.planner import PlanError
@@ -75,6 +76,7 @@ from megadyn.elastic.recovery_decision import (
 )
 from megadyn.elastic.transition import TransitionEnv, run_transition
 from megadyn.elastic.watched_store import PeerGone
+from megadyn.models.config import GPTConfig
 
 
 @dataclass
@@ -88,7 +90,7 @@ class Salvaged:
     rng: bytes
     groups: ParallelGroups
     """The old layout's (destroyed: only its layout and members are read)."""
-    model_cfg: object
+    model_cfg: GPTConfig
     earlier: list[Salvaged] = dataclasses.field(default_factory=list)
     """What it kept from before the recoveries whose first step has not finished, newest
     first (each at its step: the tensors a recovery hands on are copies)."""
@@ -134,7 +136,7 @@ def group_count_at_least(n: int) -> None:
 class RecoveryContext:
     """What a recovery reads of the process it runs on (the controller builds it)."""
 
-    cfg: object
+    cfg: JobConfig
     """The job's config: the layout rules the decision follows."""
     env: TransitionEnv
     feed: FailureFeed

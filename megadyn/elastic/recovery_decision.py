@@ -27,9 +27,11 @@ from types import SimpleNamespace
 from megadyn.core.hetero_layout import HeteroLayout, layout_from_dict, layout_to_dict
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.elastic.agreement import Report
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.planner import PlanError
 from megadyn.elastic.requests import replace_or_shrink
 from megadyn.elastic.transition import Transition, distopt_of, plan_from
+from megadyn.models.config import GPTConfig
 
 View = tuple[str, tuple[int, ...]]
 """(the layout as sorted JSON, its members): what one holding is laid out as."""
@@ -128,7 +130,7 @@ def decision_from_dict(fields: dict) -> RecoveryDecision | NoRecovery:
     return NoRecovery(fields["error"]) if "error" in fields else RecoveryDecision.from_dict(fields)
 
 
-def decide(cfg, model_cfg, backend: str, reports: dict[int, Report], dead):
+def decide(cfg: JobConfig, model_cfg: GPTConfig, backend: str, reports: dict[int, Report], dead):
     """The decision: the new layout and members, the step, the sources (and which of its
     holdings each reads from), or why the survivors cannot go on (NoRecovery; `missing` when no
     survivor holds a replica and only a snapshot can help). `cfg`: the job's."""
@@ -148,7 +150,9 @@ def decide(cfg, model_cfg, backend: str, reports: dict[int, Report], dead):
     return first
 
 
-def _decide_in_view(cfg, model_cfg, backend, reports, dead, view: View, holders):
+def _decide_in_view(
+    cfg: JobConfig, model_cfg: GPTConfig, backend, reports, dead, view: View, holders
+):
     """The decision when the survivors rebuild from their holdings of `view`."""
     old_layout, old_members = layout_from_dict(json.loads(view[0])), list(view[1])
     waiting = [r for r in sorted(reports) if r not in old_members]

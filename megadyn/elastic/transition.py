@@ -36,12 +36,14 @@ from megadyn.core.distributed import default_bucket_size
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import RecoveryError
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.description import DistOpt, StateDescription
 from megadyn.elastic.executor import execute_plan
 from megadyn.elastic.hetero_job import build_groups, describe_layout_state
 from megadyn.elastic.planner import Plan, plan_between
 from megadyn.elastic.records import Reconfiguration
 from megadyn.elastic.watched_store import watching_failures
+from megadyn.models.config import GPTConfig
 
 if TYPE_CHECKING:
     from megadyn.elastic.protocol import ReshardableTrainer
@@ -116,7 +118,7 @@ class TransitionTimes:
 class TransitionEnv:
     """What every transition of this process runs with (the controller builds it once)."""
 
-    model_cfg: object
+    model_cfg: GPTConfig
     """The model's config (its vocabulary is replaced by the transition's)."""
     distopt_of: Callable[[Layout | HeteroLayout], DistOpt | None]
     device: torch.device
@@ -208,7 +210,9 @@ def reshard_plan(env: TransitionEnv, t: Transition) -> Plan:
     )
 
 
-def plan_from(model_cfg, distopt_of, old_layout, old_members, layout, members, sources=None):
+def plan_from(
+    model_cfg: GPTConfig, distopt_of, old_layout, old_members, layout, members, sources=None
+):
     """The reshard plan from `old_layout` over `old_members` to `layout` over `members`,
     reading only from `sources` (None: every old member)."""
     old = describe_layout_state(model_cfg, old_layout, old_members, distopt_of(old_layout))
@@ -272,7 +276,7 @@ def rebuild(t: Transition, env, made: _Groups, trainer, new_state, restore_rng, 
     return trainer
 
 
-def distopt_of(cfg, layout: Layout) -> DistOpt | None:
+def distopt_of(cfg: JobConfig, layout: Layout) -> DistOpt | None:
     """How the job's distributed optimizer shards under `layout` (None: it is off)."""
     if not cfg.optimizer.use_distributed_optimizer:
         return None
