@@ -340,7 +340,7 @@ class ElasticController:
         watch = None
         if self.failures is not None:  # a peer that dies meanwhile ends the waits: recovery
             watch = lambda: any(r in self.live for r in self.failures.dead())  # noqa: E731
-        trainer, plan, times = run_transition(
+        done = run_transition(
             Transition.of(rec),
             trainer,
             self.env,
@@ -349,8 +349,9 @@ class ElasticController:
             restore_rng=restore,
             retired=self.retired,
         )
+        trainer = done.trainer
         self.live = [r for r in self.live if r not in rec.release]
-        self._report(rec, plan, times, trainer)
+        self._report(rec, done.plan, done.times, trainer)
         if dist.get_rank() in rec.release:
             raise Released(leave=True)  # asked to exit: torchrun keeps the others running
         if trainer is None:

@@ -221,8 +221,8 @@ def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
 def move_and_rebuild(
     ctx: RecoveryContext, trainer, salvaged, rnd: Round, decision: RecoveryDecision, created
 ):
-    """PLAN, MOVE and REBUILD by `decision` (transition.py); returns this process's trainer
-    (None: standby), the plan and the phases' seconds. Groups it creates go into `created`
+    """PLAN, MOVE and REBUILD by `decision` (transition.py): this process's trainer (None:
+    standby), the plan and the phases' seconds. Groups it creates go into `created`
     (dropped if another failure cuts it short: then a RuntimeError)."""
     t, feed = decision.transition(), ctx.feed
 
@@ -288,7 +288,8 @@ def recover(ctx: RecoveryContext, trainer) -> Recovered:
         rnd, survivors, decision = agree(ctx, salvaged)
         t_agree = time.perf_counter()
         try:
-            trainer, plan, times = move_and_rebuild(ctx, trainer, salvaged, rnd, decision, created)
+            done = move_and_rebuild(ctx, trainer, salvaged, rnd, decision, created)
+            trainer, plan, times = done.trainer, done.plan, done.times
             t_rehost = time.perf_counter()
             if ctx.control_rank in rnd.dead:  # the control store went with its host
                 rehost(ctx, rnd, decision.control)

@@ -2,7 +2,7 @@
 
     t = Transition.of(rec)                    # an operator's request, a drain, a join (controller)
     t = decision.transition()                 # a failure: the survivors' decision (recovery)
-    trainer, plan, times = run_transition(t, trainer, env, ...)    # PLAN -> MOVE -> REBUILD
+    done = run_transition(t, trainer, env, ...)    # PLAN -> MOVE -> REBUILD: done.trainer
 
     PLAN     the span's group and the new layout's groups (every live process builds them), the
              reshard plan from where the state comes from
@@ -115,6 +115,17 @@ class TransitionTimes:
 
 
 @dataclass(frozen=True)
+class Transitioned:
+    """What a transition leaves this process with."""
+
+    trainer: ReshardableTrainer | None
+    """The trainer it runs next (None: it left the layout)."""
+    plan: Plan | None
+    """The reshard plan (None: the state came from a snapshot)."""
+    times: TransitionTimes
+
+
+@dataclass(frozen=True)
 class TransitionEnv:
     """What every transition of this process runs with (the controller builds it once)."""
 
@@ -152,7 +163,7 @@ def run_transition(
     salvaged=None,
     created: list | None = None,
     retired: RetiredGroups | None = None,
-) -> tuple[ReshardableTrainer | None, Plan | None, TransitionTimes]:
+) -> Transitioned:
     """PLAN -> MOVE -> REBUILD on this process: its trainer next (None: it left the layout),
     the plan (None: from a snapshot) and the phases' seconds.
 
@@ -173,7 +184,7 @@ def run_transition(
     trainer = rebuild(t, env, made, trainer, new_state, restore_rng, created, retired)
     t_done = time.perf_counter()
     times = TransitionTimes(t_plan - t0, t_move - t_plan, t_done - t_move, t_done - t0)
-    return trainer, plan, times
+    return Transitioned(trainer, plan, times)
 
 
 def connect(t: Transition, env: TransitionEnv, connect_timeout, watch, created) -> _Groups:
