@@ -147,7 +147,7 @@ def _change(trainer, controller, new: Layout, path: str, p2p_bandwidth: float):
         trainer.groups,
         load_rng=False,
     )
-    event = controller.events[-1]
+    event = controller.events[-1].to_dict()
     return trainer, {
         "change": f"{event['old']} -> {event['new']}",
         "live_s": round(live_s, 3),

@@ -133,7 +133,7 @@ class ControlChannel:
     def mark_handled(self, rid: int, queue: str = "request") -> None:
         self.store.add(f"{queue}/handled", 1)
 
-    def take(self, rid: int) -> None:
+    def mark_taken(self, rid: int) -> None:
         """Request `rid` (handled) is being applied: its reconfiguration was published."""
         self.store.set(TAKEN_KEY, str(rid))
 

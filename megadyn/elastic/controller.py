@@ -14,25 +14,27 @@ to process, without a disk checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
+from functools import cached_property, partial
 
 import torch
 import torch.distributed as dist
 
-from megadyn.core.distributed import default_bucket_size
-from megadyn.core.groups import ParallelGroups
-from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, poll
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.control import NONE, UNCHANGED, ControlChannel
-from megadyn.elastic.description import DistOpt
 from megadyn.elastic.drain import Drain, DrainSignal, Stopped
-from megadyn.elastic.events import format_event, membership_event, reconfiguration_event
-from megadyn.elastic.executor import execute_plan
-from megadyn.elastic.hetero_job import build_groups, plan_layouts, replicas_of
+from megadyn.elastic.events import (
+    Event,
+    FailureEvent,
+    format_event,
+    membership_event,
+    reconfiguration_event,
+)
+from megadyn.elastic.hetero_job import replicas_of
 from megadyn.elastic.layout_planner import CostModel
 from megadyn.elastic.planner import Plan
 from megadyn.elastic.protocol import ReshardableTrainer
@@ -43,12 +45,18 @@ from megadyn.elastic.records import (
     RequestError,
     reconfiguration,
 )
-from megadyn.elastic.recovery import recover
+from megadyn.elastic.recovery import RecoveryContext, recover
 from megadyn.elastic.requests import resolve_drain, resolve_request
 from megadyn.elastic.retired_groups import RetiredGroups
 from megadyn.elastic.rng_handover import publish_rng, restore_rng
 from megadyn.elastic.straggler_action import StragglerAction, resolve_straggler
-from megadyn.elastic.watched_store import watching_failures
+from megadyn.elastic.transition import (
+    Transition,
+    TransitionEnv,
+    TransitionTimes,
+    distopt_of,
+    run_transition,
+)
 
 
 class Released(Exception):
@@ -59,23 +67,12 @@ class Released(Exception):
         self.leave = leave
 
 
-@dataclass
-class _Change:
-    """What PLAN hands to RESHARD and REBUILD."""
-
-    rec: Reconfiguration
-    groups: ParallelGroups | HeteroGroups  # the new layout's (every live process builds them)
-    span: list[int]  # old and new members: the processes that take part in the reshard
-    span_group: object | None  # their process group, None when it is the whole world
-    plan: Plan
-
-
 class ElasticController:
     """One per process: the members' step hook, the standby loop and the reconfiguration."""
 
     def __init__(
         self,
-        cfg,
+        cfg: JobConfig,
         channel: ControlChannel | None,
         device,
         *,
@@ -104,13 +101,29 @@ class ElasticController:
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.finished = False  # the job's end was reached (finish, or Finish while standby)
         self.members: list[int] = []  # the layout's, known to standby processes too
-        self._recovered: tuple[dict, float] | None = None  # its first step is still to time
+        self._recovered: tuple[FailureEvent, float] | None = None  # its first step is still to time
         self.recovered_since_boundary = False  # the leader then looks for a request cut short
         self.kept = None  # what the last recovery read from, until its first step ends
         self.retired = RetiredGroups()  # the last layout's groups, destroyed by a thread
-        self.events: list[dict] = []
+        self.events: list[Event] = []
         self.cost = CostModel()  # the layout planner's, calibrated on measured step times
         self.stragglers = StragglerAction(cfg, print_fn)  # --elastic-straggler-policy
+
+    @cached_property
+    def env(self) -> TransitionEnv:
+        """What this process's transitions run with."""
+        cfg = self.cfg
+        return TransitionEnv(
+            model_cfg=cfg.model,
+            distopt_of=partial(distopt_of, cfg),
+            device=self.device,
+            round_bytes=cfg.elastic.reshard_chunk_mb * 2**20,
+            timeout=cfg.parallel.distributed_timeout,
+            make_trainer=lambda groups, training: self.make_trainer(
+                groups, training, self.step_hook
+            ),
+            resume=lambda trainer: self.resume(trainer),
+        )
 
     # --- members: called after every training step ------------------------------------------
     def step_hook(self, trainer: ReshardableTrainer) -> None:
@@ -188,7 +201,7 @@ class ElasticController:
         rec = reconfiguration(
             trainer, self.epoch + 1, layout, members, release, event=request.action, request=rid
         )
-        self.channel.take(rid)  # until answered: a failure may cut the reconfiguration short
+        self.channel.mark_taken(rid)  # until answered: a failure may cut the reconfiguration short
         self.channel.publish_epoch(rec)
         return {"epoch": rec.epoch}
 
@@ -250,17 +263,27 @@ class ElasticController:
         """The survivors' recovery (recovery.py): the trainer this process runs next, None
         when it waits as standby."""
         self.retired.join(timeout_s=10.0)  # NCCL's abort ends a shutdown that waits on the dead
-        trainer, event = recover(self, trainer, self.failures)
+        ctx = RecoveryContext(
+            cfg=self.cfg,
+            env=self.env,
+            feed=self.failures,
+            live=self.live,
+            kept=self.kept,
+            control_rank=self.control_rank,
+            rehost=self.rehost_control,
+        )
+        self.kept = None
+        recovered = recover(ctx, trainer)
+        self.kept, self.live = recovered.kept, recovered.live
         self.epoch += 1
         self.recovered_since_boundary = True
-        self.members = list(event.pop("members"))
-        event = {"epoch": self.epoch, **event}
-        if trainer is not None:  # its line comes after the first step
+        self.members = list(recovered.event.members)
+        event = dataclasses.replace(recovered.event, epoch=self.epoch)
+        if recovered.trainer is not None:  # its line comes after the first step
             self._recovered = (event, time.perf_counter())
         else:
-            event.pop("failed_at")
             self.events.append(event)
-        return trainer
+        return recovered.trainer
 
     def rehost_control(self, rank: int, host: str, timeout_s: float) -> None:
         """The control store's host died: process `rank` (on `host`) serves a new one on the
@@ -273,29 +296,21 @@ class ElasticController:
         if dist.get_rank() == rank:
             self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
 
-    def _watching_failures(self):
-        """Group creation that ends (PeerGone) once a live process is recorded dead, when
-        failures are watched (else it waits as torch does)."""
-        if self.failures is None:
-            return nullcontext()
-        return watching_failures(lambda: any(r in self.live for r in self.failures.dead()))
-
-    def distopt_of(self, layout: Layout) -> DistOpt | None:
-        return distopt_of(self.cfg, layout)
-
     def _log_recovery(self, trainer: ReshardableTrainer) -> None:
         """After the first step since a recovery: its line (on the last member), with the
         first step's seconds and the total from the failure's record."""
         event, t_done = self._recovered
         self._recovered = self.kept = None
-        failed_at = event.pop("failed_at")
-        event["first_step_s"] = round(time.perf_counter() - t_done, 4)
-        event["total_s"] = round(time.time() - failed_at, 4)
-        event["completed"] = trainer.iteration
+        event = dataclasses.replace(
+            event,
+            first_step_s=round(time.perf_counter() - t_done, 4),
+            total_s=round(time.time() - event.failed_at, 4),
+            completed=trainer.iteration,
+        )
         self.events.append(event)
         if dist.get_rank() == trainer.groups.grid.members[-1]:
             self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event)
+            trainer.log_event("reconfiguration", event.to_dict())
 
     def _calibrate(self, trainer: ReshardableTrainer) -> None:
         """Calibrate the layout planner's cost model on this layout's measured step time."""
@@ -329,18 +344,32 @@ class ElasticController:
         self.members = list(rec.members)
         if rec.event == "drain" and (rec.layout, rec.members) == (rec.old_layout, rec.old_members):
             return self._shrink_live_set(rec, trainer)  # a drained standby process leaves
-        t0 = time.perf_counter()
-        if trainer is not None:
-            trainer.quiesce()  # a snapshot still being written uses the old groups
-            if self.channel is not None:  # first: planning may build modules that draw numbers
-                publish_rng(self.channel.store, self.epoch, trainer)
-        change = self._plan(rec)
-        t_plan = time.perf_counter()
-        new_state = self._reshard(change, trainer)
-        t_reshard = time.perf_counter()
-        trainer = self._rebuild(change, trainer, new_state)
-        t_done = time.perf_counter()
-        self._report(change, trainer, (t0, t_plan, t_reshard, t_done))
+
+        def prepare():
+            if trainer is not None:
+                trainer.quiesce()  # a snapshot still being written uses the old groups
+                if self.channel is not None:  # first: planning may build modules that draw
+                    publish_rng(self.channel.store, self.epoch, trainer)
+
+        restore = None
+        if self.channel is not None:
+            store, epoch = self.channel.store, self.epoch
+            restore = lambda t: restore_rng(store, epoch, t, rec.old_layout)  # noqa: E731
+        watch = None
+        if self.failures is not None:  # a peer that dies meanwhile ends the waits: recovery
+            watch = lambda: any(r in self.live for r in self.failures.dead())  # noqa: E731
+        done = run_transition(
+            Transition.of(rec),
+            trainer,
+            self.env,
+            prepare=prepare,
+            watch=watch,
+            restore_rng=restore,
+            retired=self.retired,
+        )
+        trainer = done.trainer
+        self.live = [r for r in self.live if r not in rec.release]
+        self._report(rec, done.plan, done.times, trainer)
         self.stragglers.applied(rec, self.channel)
         if dist.get_rank() in rec.release:
             raise Released(leave=True)  # asked to exit: torchrun keeps the others running
@@ -348,77 +377,15 @@ class ElasticController:
             raise Released()
         return trainer
 
-    def _plan(self, rec: Reconfiguration) -> _Change:
-        """PLAN: the new groups and the reshard plan (every live process)."""
-        span = sorted(set(rec.old_members) | set(rec.members))
-        # the reshard runs over the world group when every process of the job takes part (its
-        # NCCL communicator exists already); else over a group of the old and new members,
-        # which every live process creates (see groups.py): processes outside the span (standby
-        # processes sitting the change out) never enter the reshard's collectives
-        whole_world = span == list(range(dist.get_world_size()))
-        timeout = self.cfg.parallel.distributed_timeout
-        with self._watching_failures():  # a peer that dies meanwhile ends the waits: recovery
-            span_group = None if whole_world else dist.new_group(span, timeout=timeout)
-            groups = build_groups(rec.layout, rec.members, timeout=timeout)
-        plan = plan_layouts(
-            self.cfg.model.with_(vocab_size=rec.vocab_size),
-            rec.old_layout,
-            rec.old_members,
-            rec.layout,
-            rec.members,
-            distopt_of(self.cfg, rec.old_layout),
-            distopt_of(self.cfg, rec.layout),
-        )
-        return _Change(rec, groups, span, span_group, plan)
-
-    def _reshard(self, change: _Change, trainer) -> dict[str, torch.Tensor]:
-        """RESHARD: tensors move from old to new holders; returns this rank's new ones."""
-        if dist.get_rank() not in change.span:
-            return {}
-        local = trainer.export_state() if trainer is not None else {}
-        return execute_plan(
-            change.plan,
-            local.__getitem__,
-            group=change.span_group,
-            device=self.device,
-            round_bytes=self.cfg.elastic.reshard_chunk_mb * 2**20,
-        )
-
-    def _rebuild(self, change: _Change, trainer, new_state):
-        """REBUILD: drop the old layout, build (or join) the new one around `new_state`;
-        returns this process's trainer, None when it left the layout."""
-        rank, rec = dist.get_rank(), change.rec
-        old_groups = None if trainer is None else trainer.groups
-        if trainer is not None and rank not in rec.members:
-            trainer.release()
-        if rank not in rec.members:
-            trainer = None
-        elif trainer is None:  # a standby process joins
-            trainer = self.make_trainer(change.groups, rec.training, self.step_hook)
-        else:
-            trainer.rebuild(change.groups, rec.training)
-        if trainer is not None:
-            trainer.take(new_state, rec.training)
-            if self.channel is not None:
-                restore_rng(self.channel.store, self.epoch, trainer, rec.old_layout)
-        if change.span_group is not None:
-            dist.destroy_process_group(change.span_group)
-        if old_groups is not None and trainer is None:  # it leaves the layout: nothing waits
-            old_groups.destroy()
-        elif old_groups is not None:  # destroyed beside the second step (retired_groups.py)
-            self.retired.hold(old_groups)
-        self.live = [r for r in self.live if r not in rec.release]
-        return trainer
-
-    def _report(self, change: _Change, trainer, times: tuple[float, ...]) -> None:
+    def _report(self, rec: Reconfiguration, plan: Plan, times: TransitionTimes, trainer) -> None:
         """The timing event: kept in `events`; the last new member logs it and answers."""
-        event = reconfiguration_event(change.rec, change.plan, times)
+        event = reconfiguration_event(rec, plan, times)
         self.events.append(event)
-        if dist.get_rank() == change.rec.members[-1]:  # one measurement: log line, W&B, answer
+        if dist.get_rank() == rec.members[-1]:  # one measurement: log line, W&B, answer
             self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event)
-            if change.rec.request is not None:
-                self.channel.answer(change.rec.request, {"status": "done", **event})
+            trainer.log_event("reconfiguration", event.to_dict())
+            if rec.request is not None:
+                self.channel.answer(rec.request, {"status": "done", **event.to_dict()})
 
     def _shrink_live_set(self, rec: Reconfiguration, trainer):
         """Only processes outside the layout leave: nothing moves, no group is built."""
@@ -427,7 +394,7 @@ class ElasticController:
         self.events.append(event)
         if dist.get_rank() == rec.members[-1]:
             self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event)
+            trainer.log_event("reconfiguration", event.to_dict())
         if dist.get_rank() in rec.release or trainer is None:
             raise Released(leave=dist.get_rank() in rec.release)
         return trainer
@@ -505,11 +472,3 @@ STORE_FAILURE_WAIT_S = 10.0
 record of a member's death (its host's) before taking the error for another one."""
 FINISHED_KEY = "finished/count"
 """Live processes done with the control store at the end of the job (`leave_control`)."""
-
-
-def distopt_of(cfg, layout: Layout) -> DistOpt | None:
-    """How the job's distributed optimizer shards under `layout` (None: it is off)."""
-    if not cfg.optimizer.use_distributed_optimizer:
-        return None
-    shards = layout.dp * layout.cp  # the distributed optimizer shards over dp x cp
-    return DistOpt(bucket_size=default_bucket_size(cfg.parallel.overlap_grad_reduce, shards))

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.control import DRAIN_QUEUE, UNCHANGED, ControlChannel
 from megadyn.elastic.records import Request, RequestError, reconfiguration
 
@@ -107,7 +108,9 @@ class Drain:
                 continue
         return ranks
 
-    def decide(self, trainer, cfg, resolve: Callable, epoch: int, print_fn, recovers=False):
+    def decide(
+        self, trainer, cfg: JobConfig, resolve: Callable, epoch: int, print_fn, recovers=False
+    ):
         """The leader's decision on the oldest notice: {"epoch": n} after publishing the
         drain's reconfiguration `epoch` (`resolve(rank, leaving)`: requests.py resolve_drain,
         where no rank of another queued notice takes anyone's place), or the refusal's
@@ -135,7 +138,7 @@ class Drain:
         return {"epoch": rec.epoch}
 
     def refuse(
-        self, rid: int, refusal: Refusal, cfg, iteration: int, print_fn, recovers: bool
+        self, rid: int, refusal: Refusal, cfg: JobConfig, iteration: int, print_fn, recovers: bool
     ) -> dict | str:
         """Answer the notice, log the one line, and return the decision: stop (SIGTERM's
         notice under --exit-signal-handler) or "none" (the operator's drain changes nothing;
@@ -150,7 +153,7 @@ class Drain:
         return "none"
 
 
-def _after_refusal(who: str, signal: bool, cfg, iteration: int, recovers: bool) -> str:
+def _after_refusal(who: str, signal: bool, cfg: JobConfig, iteration: int, recovers: bool) -> str:
     """What the job does once a drain of `who` is refused, as its log line and answer say."""
     if not signal:  # the operator's drain: nothing changes
         return UNCHANGED

@@ -2,7 +2,7 @@
 
     layout = pipelines_layout(model_cfg, cfg, (3, 2), members=range(5), device_type="cpu")
     groups = build_groups(layout, members, timeout)        # ParallelGroups or HeteroGroups
-    plan = plan_layouts(model_cfg, old, old_members, new, new_members, cfg)   # the reshard
+    desc = describe_layout_state(model_cfg, layout, members, distopt)   # the reshard's input
     layout = layout_with_templates(model_cfg, cfg, n, members, device_type)   # a scale
 
 Under --heterogeneous-pipelines a layout is a `HeteroLayout` (replicas of different pipeline
@@ -22,17 +22,18 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError, RankGrid, canonical_members
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.description import DistOpt, describe
 from megadyn.elastic.hetero_description import describe_hetero
 from megadyn.elastic.hetero_planner import HeteroPlan, HeteroPlanner, grid_or_templates
 from megadyn.elastic.layout_planner import LayoutPlanner
-from megadyn.elastic.planner import Plan, plan_between
 from megadyn.elastic.requests import (
     check_layout,
     device_memory_gib,
     layout_for_remaining,
     validate_for,
 )
+from megadyn.models.config import GPTConfig
 
 
 def build_groups(layout: Layout | HeteroLayout, members: Sequence[int], timeout=None):
@@ -42,22 +43,18 @@ def build_groups(layout: Layout | HeteroLayout, members: Sequence[int], timeout=
     return ParallelGroups.build(layout, members=members, timeout=timeout)
 
 
-def describe_layout_state(model_cfg, layout, members: Sequence[int], distopt: DistOpt | None):
+def describe_layout_state(
+    model_cfg: GPTConfig, layout, members: Sequence[int], distopt: DistOpt | None
+):
     """The state description of a grid or a heterogeneous layout."""
     if isinstance(layout, HeteroLayout):
         return describe_hetero(model_cfg, layout, distopt=distopt)
     return describe(model_cfg, layout, members, distopt=distopt)
 
 
-def plan_layouts(model_cfg, old, old_members, new, new_members, old_distopt, new_distopt) -> Plan:
-    """The reshard plan between two layouts, either of which may be heterogeneous."""
-    return plan_between(
-        describe_layout_state(model_cfg, old, old_members, old_distopt),
-        describe_layout_state(model_cfg, new, new_members, new_distopt),
-    )
-
-
-def template_planner(model_cfg, cfg, *, device_type: str, cost=None, gpu_memory_gib=None):
+def template_planner(
+    model_cfg: GPTConfig, cfg: JobConfig, *, device_type: str, cost=None, gpu_memory_gib=None
+):
     """The template planner on the job's model, batch, micro batch and recomputation."""
     t = cfg.training
     planner = LayoutPlanner(
@@ -74,14 +71,22 @@ def template_planner(model_cfg, cfg, *, device_type: str, cost=None, gpu_memory_
     return HeteroPlanner(planner)
 
 
-def _layout_of(plan: HeteroPlan, model_cfg, cfg, members: Sequence[int]) -> HeteroLayout:
+def _layout_of(
+    plan: HeteroPlan, model_cfg: GPTConfig, cfg: JobConfig, members: Sequence[int]
+) -> HeteroLayout:
     validate_for(Layout(tp=plan.tp), model_cfg, cfg)  # heads, vocabulary, fp8 shapes over tp
     tied = not model_cfg.untie_embeddings_and_output_weights
     return plan.layout(members, model_cfg.num_layers, tied)
 
 
 def pipelines_layout(
-    model_cfg, cfg, depths: Sequence[int], members: Sequence[int], *, device_type: str, tp=None
+    model_cfg: GPTConfig,
+    cfg: JobConfig,
+    depths: Sequence[int],
+    members: Sequence[int],
+    *,
+    device_type: str,
+    tp=None,
 ) -> HeteroLayout:
     """Replicas of `depths` stages each (tp: the job's), over `members` in order."""
     tp = cfg.parallel.tp if tp is None else tp
@@ -106,7 +111,13 @@ def pipelines_layout(
 
 
 def layout_with_templates(
-    model_cfg, cfg, members: Sequence[int], *, device_type: str, cost=None, gpu_memory_gib=None
+    model_cfg: GPTConfig,
+    cfg: JobConfig,
+    members: Sequence[int],
+    *,
+    device_type: str,
+    cost=None,
+    gpu_memory_gib=None,
 ) -> Layout | HeteroLayout:
     """`--elastic-layout auto` under --heterogeneous-pipelines for `members`: the best grid
     (over as many of them as it uses) or the templates' mix (LayoutError when none fits)."""
@@ -149,7 +160,9 @@ def with_ranks_replaced(layout: Layout | HeteroLayout, members, fill: dict[int, 
     return layout, list(canonical_members(layout, [fill.get(r, r) for r in members]))
 
 
-def layout_for_members(rest: Sequence[int], model_cfg, cfg, groups, cost=None):
+def layout_for_members(
+    rest: Sequence[int], model_cfg: GPTConfig, cfg: JobConfig, groups, cost=None
+):
     """(layout, members) for the processes `rest` left after members leave (a drain, or a
     failure no standby process covers): under --heterogeneous-pipelines with --elastic-layout
     auto a grid or templates, else the grid for their count (LayoutError when none runs)."""

@@ -14,12 +14,13 @@ import torch
 
 from megadyn.core.groups import ParallelGroups
 from megadyn.elastic.stragglers import StragglerScores
+from megadyn.models.config import GPTConfig
 
 
 class ReshardableTrainer(Protocol):
     groups: ParallelGroups
     """The layout it trains under now."""
-    model_cfg: object
+    model_cfg: GPTConfig
     """The model as trained (its vocabulary is the tokenizer's)."""
     step_seconds: float | None
     """Seconds per step at the last log line (None before one)."""

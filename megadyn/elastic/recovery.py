@@ -1,6 +1,6 @@
 """A failed or hung worker as a live reconfiguration: the survivors stay up.
 
-    trainer = recover(controller, trainer, feed)     # after a collective raised or PeerFailed
+    recovered = recover(ctx, trainer)     # after a collective raised or PeerFailed
 
     detect (the runtime: a collective raised, or the agent's failure record was seen)
     -> ABORT   keep this rank's tensors (views, no communication), drop the model, optimizer and
@@ -26,7 +26,7 @@ RecoveryError ends this process and torchrun's restart path follows.
 
 A second failure while one is handled starts the agreement over with the larger set of dead
 ranks; until the recovery's first step has finished, each survivor also keeps the tensors it
-read from (`Salvaged.earlier`, handed on to the next recovery through `controller.kept`), so
+read from (`Salvaged.earlier`, handed on to the next recovery through `RecoveryContext.kept`), so
 that a layout the recovery chose without replicas (the planner's pp 2 over two processes, say)
 does not lose what the layout before it still held twice. Every wait has a deadline
 (`feed.timeout_s`) and watches the failure records: the store polls of the agreement, and the
@@ -43,6 +43,7 @@ import dataclasses
 import gc
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from socket import gethostname
@@ -53,7 +54,7 @@ import torch.distributed as dist
 from megadyn.core import c10d_compat
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_groups import HeteroGroups
-from megadyn.core.hetero_layout import layout_from_dict, layout_to_dict
+from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import (
     FailureFeed,
@@ -63,12 +64,19 @@ from megadyn.elastic.agreement import (
     Round,
     more_failures,
 )
-from megadyn.elastic.events import describe_layout
-from megadyn.elastic.executor import execute_plan
-from megadyn.elastic.hetero_job import build_groups, stage_and_tp
+from megadyn.elastic.config import JobConfig
+from megadyn.elastic.events import FailureEvent, describe_layout
+from megadyn.elastic.hetero_job import stage_and_tp
 from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery_decision import decide, recovery_plan
-from megadyn.elastic.watched_store import PeerGone, watching_failures
+from megadyn.elastic.recovery_decision import (
+    NoRecovery,
+    RecoveryDecision,
+    decide,
+    decision_from_dict,
+)
+from megadyn.elastic.transition import TransitionEnv, run_transition
+from megadyn.elastic.watched_store import PeerGone
+from megadyn.models.config import GPTConfig
 
 
 @dataclass
@@ -82,7 +90,7 @@ class Salvaged:
     rng: bytes
     groups: ParallelGroups
     """The old layout's (destroyed: only its layout and members are read)."""
-    model_cfg: object
+    model_cfg: GPTConfig
     earlier: list[Salvaged] = dataclasses.field(default_factory=list)
     """What it kept from before the recoveries whose first step has not finished, newest
     first (each at its step: the tensors a recovery hands on are copies)."""
@@ -124,13 +132,45 @@ def group_count_at_least(n: int) -> None:
     c10d_compat.raise_group_count(n)
 
 
-def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Round, list, dict]:
+@dataclass
+class RecoveryContext:
+    """What a recovery reads of the process it runs on (the controller builds it)."""
+
+    cfg: JobConfig
+    """The job's config: the layout rules the decision follows."""
+    env: TransitionEnv
+    feed: FailureFeed
+    live: list[int]
+    """The processes that took part in group builds before the failure."""
+    kept: Salvaged | None
+    """What the last recovery read from, while its first step has not ended."""
+    control_rank: int
+    """The process whose host serves the control store."""
+    rehost: Callable[[int, str, float], None]
+    """`rehost(rank, host, timeout_s)`: process `rank` on `host` serves the control store anew;
+    the others reach it within `timeout_s`."""
+
+
+@dataclass
+class Recovered:
+    """What a recovery leaves this process with."""
+
+    trainer: object | None
+    """The trainer it runs next (None: standby)."""
+    event: FailureEvent
+    live: list[int]
+    """The survivors."""
+    kept: Salvaged | None
+    """What it read from, kept until its first step ends (None: standby)."""
+
+
+def agree(ctx: RecoveryContext, salvaged: Salvaged | None) -> tuple[Round, list, RecoveryDecision]:
     """AGREE: report, wait for every survivor's report and the decision; start over when more
     failures are recorded meanwhile."""
-    rank = dist.get_rank()
+    rank, feed = dist.get_rank(), ctx.feed
     while True:
         dead = set(feed.dead())
-        survivors = [r for r in controller.live if r not in dead]
+        survivors = [r for r in ctx.live if r not in dead]
         rnd = Round(feed.store, dead)
         rnd.report(_report(rank, salvaged, rnd))
         reports = rnd.wait_reports(survivors, feed, feed.timeout_s)
@@ -141,12 +181,14 @@ def agree(controller, salvaged: Salvaged | None, feed: FailureFeed) -> tuple[Rou
             raise RecoveryError("no member of the layout survived")
         if rank == min(deciders):
             backend = salvaged.groups.backend
-            rnd.decide(decide(controller, salvaged.model_cfg, backend, reports, dead))
-        decision = rnd.wait_decision(feed, feed.timeout_s)
-        if decision is None:
+            decision = decide(ctx.cfg, salvaged.model_cfg, backend, reports, dead)
+            rnd.decide(decision.to_dict())
+        fields = rnd.wait_decision(feed, feed.timeout_s)
+        if fields is None:
             continue
-        if "error" in decision:
-            raise RecoveryError(decision["error"])
+        decision = decision_from_dict(fields)
+        if isinstance(decision, NoRecovery):
+            raise RecoveryError(decision.error)
         return rnd, survivors, decision
 
 
@@ -176,109 +218,81 @@ def _report(rank: int, salvaged: Salvaged | None, rnd: Round) -> Report:
     )
 
 
-def move_and_rebuild(controller, trainer, salvaged, rnd: Round, decision: dict, feed, created):
-    """PLAN, MOVE and REBUILD by `decision`; returns this process's trainer (None: standby)
-    and the plan. Groups it creates go into `created` (dropped if another failure cuts it
-    short: then a RuntimeError)."""
-    rank, cfg = dist.get_rank(), controller.cfg
-    timeout = cfg.parallel.distributed_timeout
-    layout, members = layout_from_dict(decision["layout"]), list(decision["members"])
-    old_layout, old_members = layout_from_dict(decision["old_layout"]), decision["old_members"]
-    sources = decision["sources"]
-    group_count_at_least(decision["group_count"])
-    span = sorted(set(sources) | set(members))
-    if not rnd.arrive(rank, span, feed, feed.timeout_s):
-        raise PeerGone("another process failed before the survivors connected")
+def move_and_rebuild(
+    ctx: RecoveryContext, trainer, salvaged, rnd: Round, decision: RecoveryDecision, created
+):
+    """PLAN, MOVE and REBUILD by `decision` (transition.py): this process's trainer (None:
+    standby), the plan and the phases' seconds. Groups it creates go into `created`
+    (dropped if another failure cuts it short: then a RuntimeError)."""
+    t, feed = decision.transition(), ctx.feed
+
+    def prepare():  # the survivors first meet in the store: a peer may have died meanwhile
+        group_count_at_least(decision.group_count)
+        if not rnd.arrive(dist.get_rank(), t.span, feed, feed.timeout_s):
+            raise PeerGone("another process failed before the survivors connected")
+
+    def restore(trainer):
+        _restore_rng(rnd, trainer, t.old_layout, t.old_members, t.holding)
+
     # a group's creation waits in the store for each peer: a peer that dies meanwhile ends the
     # wait when its failure is recorded (PeerGone), one that hangs after the recovery's timeout
     # (its watchers kill it sooner); later collectives get the job's timeout
-    connect = min(timedelta(seconds=feed.timeout_s), timeout)
-    with watching_failures(lambda: bool(set(feed.dead()) - rnd.dead)):
-        span_group = dist.new_group(span, timeout=connect)  # every survivor, in one order
-        created.append(span_group)
-        groups = build_groups(layout, members, timeout=connect)
-        created.append(groups)
-    groups.set_timeout(timeout)
-    model_cfg = cfg.model.with_(vocab_size=decision["vocab_size"])
-    plan = None
-    if sources:
-        plan = recovery_plan(
-            model_cfg, controller.distopt_of, old_layout, old_members, layout, members, sources
-        )
-    t_move = time.perf_counter()
-    new_state = {}
-    if plan is not None and rank in span:
-        held = decision["holding"].get(str(rank))
-        local = salvaged.holding(held).tensors if held is not None else {}
-        new_state = execute_plan(
-            plan,
-            local.__getitem__,
-            group=span_group,
-            device=controller.device,
-            round_bytes=cfg.elastic.reshard_chunk_mb * 2**20,
-        )
-    t_rebuild = time.perf_counter()
-    training = decision["training"]
-    if rank not in members:
-        if trainer is not None:
-            trainer.release()
-        trainer = None
-    elif trainer is None:  # a standby process takes a dead member's place
-        trainer = controller.make_trainer(groups, training, controller.step_hook)
-    else:
-        trainer.rebuild(groups, training)
-    if trainer is not None:
-        if plan is not None:
-            trainer.take(new_state, training)
-            _restore_rng(rnd, trainer, old_layout, old_members, decision["holding"])
-        elif not controller.resume(trainer):
-            raise RecoveryError(f"{decision['missing']}, and no in-memory snapshot to load")
-    dist.destroy_process_group(span_group)
-    created.remove(span_group)
-    return trainer, plan, (t_move, t_rebuild)
+    env = ctx.env
+    return run_transition(
+        t,
+        trainer,
+        env,
+        prepare=prepare,
+        connect_timeout=min(timedelta(seconds=feed.timeout_s), env.timeout),
+        watch=lambda: bool(set(feed.dead()) - rnd.dead),
+        restore_rng=restore,
+        salvaged=salvaged,
+        created=created,
+    )
 
 
-def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding: dict) -> None:
+def _restore_rng(rnd: Round, trainer, old_layout: Layout, old_members, holding) -> None:
     """The RNG streams of the lowest source at this rank's (pp, tp) coordinates, if any, from
     the holding it is read from (`holding`: source -> its index)."""
     g = trainer.groups
-    for src in sorted(holding, key=int):
-        if stage_and_tp(old_layout, old_members, int(src)) == (g.pp_rank, g.tp_rank):
+    for src in sorted(holding):
+        if stage_and_tp(old_layout, old_members, src) == (g.pp_rank, g.tp_rank):
             states = rnd.read(f"rng/{src}/{holding[src]}")
             trainer.set_rng_states(torch.load(io.BytesIO(states)))
             return
 
 
-def rehost(controller, rnd: Round, control: list, feed: FailureFeed) -> None:
+def rehost(ctx: RecoveryContext, rnd: Round, control: tuple[int, str]) -> None:
     """The lowest survivor serves the control store anew; the others connect to it once it
     says so (PeerGone: another process failed first)."""
     rank, host = control
+    feed = ctx.feed
     if dist.get_rank() != rank and not rnd.wait_serving(rank, feed, feed.timeout_s):
         raise PeerGone("another process failed before the control store was hosted anew")
-    controller.rehost_control(rank, host, feed.timeout_s)
+    ctx.rehost(rank, host, feed.timeout_s)
     if dist.get_rank() == rank:
         rnd.serving(rank)
 
 
-def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
+def recover(ctx: RecoveryContext, trainer) -> Recovered:
     """The survivors' recovery on this process (`trainer` None: a standby process): the
     trainer it runs next (None: standby) and the recovery's event (its phases' seconds)."""
+    feed = ctx.feed
     t0, wall0 = time.perf_counter(), time.time()
     salvaged = abort(trainer, feed.device_done) if trainer is not None else None
     if salvaged is not None:  # a recovery whose first step has not finished: its holdings too
-        salvaged = salvaged.kept_with(controller.kept)
-    controller.kept = None
+        salvaged = salvaged.kept_with(ctx.kept)
     t_abort = time.perf_counter()
     created: list = []
     while True:
-        rnd, survivors, decision = agree(controller, salvaged, feed)
+        rnd, survivors, decision = agree(ctx, salvaged)
         t_agree = time.perf_counter()
         try:
-            trainer, plan, (t_move, t_rebuild) = move_and_rebuild(
-                controller, trainer, salvaged, rnd, decision, feed, created
-            )
-            if controller.control_rank in rnd.dead:  # the control store went with its host
-                rehost(controller, rnd, decision["control"], feed)
+            done = move_and_rebuild(ctx, trainer, salvaged, rnd, decision, created)
+            trainer, plan, times = done.trainer, done.plan, done.times
+            t_rehost = time.perf_counter()
+            if ctx.control_rank in rnd.dead:  # the control store went with its host
+                rehost(ctx, rnd, decision.control)
             break
         except RecoveryError:
             raise
@@ -298,29 +312,27 @@ def recover(controller, trainer, feed: FailureFeed) -> tuple[object, dict]:
             trainer.release()
         gc.collect()
     t_done = time.perf_counter()
-    controller.kept = salvaged if trainer is not None else None  # until its first step ends
-    controller.live = survivors
-    lost = [r for r in decision["old_members"] if r in rnd.dead]  # this failure's
+    lost = [r for r in decision.old_members if r in rnd.dead]  # this failure's
     failed_at = min(feed.dead()[r] for r in lost)
-    resumed = decision["iteration"]
+    resumed = decision.iteration
     if plan is None and trainer is not None:  # the snapshot's step
         resumed = trainer.iteration
-    event = {
-        "event": "failure",
-        "iteration": resumed,
-        "old": describe_layout(layout_from_dict(decision["old_layout"])),
-        "new": describe_layout(layout_from_dict(decision["layout"])),
-        "left": ",".join(map(str, lost)),
-        "repeated": max(0, (decision["newest"] or 0) - (resumed or 0)),
-        "from": "replicas" if plan is not None else "in-memory snapshot",
-        "detect_s": round(max(0.0, wall0 - failed_at), 4),
-        "abort_s": round(t_abort - t0, 4),
-        "agree_s": round(t_agree - t_abort, 4),
-        "plan_s": round(t_move - t_agree, 4),
-        "move_s": round(t_rebuild - t_move, 4),
-        "rebuild_s": round(t_done - t_rebuild, 4),
-        "bytes_moved": plan.total_bytes if plan is not None else 0,
-        "members": decision["members"],
-        "failed_at": failed_at,
-    }
-    return trainer, event
+    event = FailureEvent(
+        iteration=resumed,
+        old=describe_layout(decision.old_layout),
+        new=describe_layout(decision.layout),
+        left=",".join(map(str, lost)),
+        repeated=max(0, (decision.newest or 0) - (resumed or 0)),
+        source="replicas" if plan is not None else "in-memory snapshot",
+        detect_s=round(max(0.0, wall0 - failed_at), 4),
+        abort_s=round(t_abort - t0, 4),
+        agree_s=round(t_agree - t_abort, 4),
+        plan_s=round(times.plan_s, 4),
+        move_s=round(times.move_s, 4),
+        rebuild_s=round(times.rebuild_s + t_done - t_rehost, 4),
+        bytes_moved=plan.total_bytes if plan is not None else 0,
+        members=decision.members,
+        failed_at=failed_at,
+    )
+    kept = salvaged if trainer is not None else None  # until its first step ends
+    return Recovered(trainer, event, survivors, kept)

@@ -19,8 +19,10 @@ from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError, canonical_members
 from megadyn.core.tensor_parallel.fp8 import check_fp8_shapes
 from megadyn.core.tensor_parallel.layers import vocab_range
+from megadyn.elastic.config import JobConfig
 from megadyn.elastic.layout_planner import LayoutPlanner, check_cp_heads, memory_gib
 from megadyn.elastic.records import Request
+from megadyn.models.config import GPTConfig
 
 
 def device_memory_gib(device_type: str) -> float | None:
@@ -30,7 +32,13 @@ def device_memory_gib(device_type: str) -> float | None:
 
 
 def resolve_request(
-    request: Request, model_cfg, cfg, groups, live: list[int], cost=None, gpu_memory_gib=None
+    request: Request,
+    model_cfg: GPTConfig,
+    cfg: JobConfig,
+    groups,
+    live: list[int],
+    cost=None,
+    gpu_memory_gib=None,
 ):
     """(new layout, new members, released ranks) for `request`; raises LayoutError to refuse.
     `gpu_memory_gib` replaces the device's memory for the layout planner (None: the device's)."""
@@ -66,7 +74,7 @@ def resolve_request(
     return layout, new_members, released
 
 
-def _templates_for(request: Request, cfg):
+def _templates_for(request: Request, cfg: JobConfig):
     """How a request under --heterogeneous-pipelines is planned: 'pipelines' (the request
     names replica depths), 'auto' (a scale under --elastic-layout auto), else None (a grid)."""
     if request.pipelines is not None:
@@ -78,7 +86,14 @@ def _templates_for(request: Request, cfg):
 
 
 def _resolve_with_templates(
-    request: Request, how: str, model_cfg, cfg, groups, live, cost, gpu_memory_gib
+    request: Request,
+    how: str,
+    model_cfg: GPTConfig,
+    cfg: JobConfig,
+    groups,
+    live,
+    cost,
+    gpu_memory_gib,
 ):
     """`resolve_request` for a layout of templates (megadyn/elastic/hetero_job.py)."""
     from megadyn.elastic import hetero_job  # it plans with this module's checks
@@ -117,7 +132,9 @@ def _resolve_with_templates(
     return layout, new_members, released
 
 
-def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None):
+def resolve_drain(
+    rank: int, model_cfg: GPTConfig, cfg: JobConfig, groups, live: list[int], cost=None
+):
     """(new layout, new members, released ranks) without process `rank`, which exits; raises
     LayoutError to refuse (the job then falls back to --exit-signal-handler or SIGTERM)."""
     members = list(groups.grid.members)
@@ -135,7 +152,9 @@ def resolve_drain(rank: int, model_cfg, cfg, groups, live: list[int], cost=None)
     return layout, new_members, [rank]
 
 
-def replace_or_shrink(old, members, leaving, waiting, model_cfg, cfg, cost=None):
+def replace_or_shrink(
+    old, members, leaving, waiting, model_cfg: GPTConfig, cfg: JobConfig, cost=None
+):
     """(layout, members) once the members in `leaving` go (a drain, a failure): the `waiting`
     standby processes, in order, take their places in the same layout (`old.layout`) when
     there are enough of them; else every process left, waiting ones too, runs under the layout
@@ -151,7 +170,7 @@ def replace_or_shrink(old, members, leaving, waiting, model_cfg, cfg, cost=None)
     return layout_for_members(rest, model_cfg, cfg, old, cost=cost)
 
 
-def layout_for_remaining(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
+def layout_for_remaining(n: int, model_cfg: GPTConfig, cfg: JobConfig, groups, cost=None) -> Layout:
     """The layout for the `n` processes left after members leave (a drain, or a failure that
     no standby process covers), checked against the job; LayoutError when none runs it."""
     _check_min_members(n, cfg)
@@ -160,7 +179,9 @@ def layout_for_remaining(n: int, model_cfg, cfg, groups, cost=None) -> Layout:
     return layout
 
 
-def layout_for_count(n: int, model_cfg, cfg, groups, cost=None, gpu_memory_gib=None) -> Layout:
+def layout_for_count(
+    n: int, model_cfg: GPTConfig, cfg: JobConfig, groups, cost=None, gpu_memory_gib=None
+) -> Layout:
     """The layout of `n` members after a scale: tp, cp, pp and vpp kept under `--elastic-layout
     pinned`, the layout planner's choice under `auto` (LayoutError when none fits)."""
     old = groups.layout
@@ -173,19 +194,25 @@ def layout_for_count(n: int, model_cfg, cfg, groups, cost=None, gpu_memory_gib=N
     )
 
 
-def with_job_instances(layout: Layout, cfg) -> Layout:
+def with_job_instances(layout: Layout, cfg: JobConfig) -> Layout:
     """`layout` with the job's --num-distributed-optimizer-instances where they divide its
     dp x cp, else one instance (the trainer logs the fallback when it builds the layout)."""
     return layout.with_distopt_instances(cfg.parallel.num_distributed_optimizer_instances)
 
 
-def _check_min_members(n: int, cfg) -> None:
+def _check_min_members(n: int, cfg: JobConfig) -> None:
     if n < cfg.elastic.min_members:
         raise LayoutError(f"{n} members is below --elastic-min-members ({cfg.elastic.min_members})")
 
 
 def plan_layout(
-    model_cfg, cfg, num_members: int, *, device_type: str, cost=None, gpu_memory_gib=None
+    model_cfg: GPTConfig,
+    cfg: JobConfig,
+    num_members: int,
+    *,
+    device_type: str,
+    cost=None,
+    gpu_memory_gib=None,
 ) -> Layout:
     """The layout planner's fastest layout for `num_members` that keeps the running micro batch
     size and recomputation (a scale request, and a restart whose world the job's layout does
@@ -212,7 +239,7 @@ def plan_layout(
     return with_job_instances(layout, cfg)
 
 
-def validate_for(layout: Layout, model_cfg, cfg) -> None:
+def validate_for(layout: Layout, model_cfg: GPTConfig, cfg: JobConfig) -> None:
     """`Layout.validate` against this job's model, sequence and batch sizes (LayoutError)."""
     layout.validate(
         num_layers=model_cfg.num_layers,
@@ -231,7 +258,7 @@ def validate_for(layout: Layout, model_cfg, cfg) -> None:
             raise LayoutError(str(err)) from err
 
 
-def context_parallel_conflicts(cfg) -> list[str]:
+def context_parallel_conflicts(cfg: JobConfig) -> list[str]:
     """The flags of this job that context parallelism does not run with yet, the one place
     where they are listed: validation refuses them with --context-parallel-size > 1, and the
     layout planner then considers cp 1 only. In-memory snapshots are layout-free DCP
@@ -245,7 +272,7 @@ def context_parallel_conflicts(cfg) -> list[str]:
     return [flag for flag, used in unsupported.items() if used]
 
 
-def check_layout(layout: Layout, model_cfg, cfg) -> None:
+def check_layout(layout: Layout, model_cfg: GPTConfig, cfg: JobConfig) -> None:
     """Every reason a layout cannot run this job, as a LayoutError naming it."""
     t = cfg.training
     validate_for(layout, model_cfg, cfg)

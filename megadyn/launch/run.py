@@ -287,7 +287,7 @@ def train_elastic(
         close(trainer)
         break
     controller.leave_control()
-    return RunResult(losses, samples, controller.events)
+    return RunResult(losses, samples, [e.to_dict() for e in controller.events])
 
 
 def recover_or_exit(controller: ElasticController, trainer: Trainer | None) -> Trainer | None:

@@ -8,7 +8,8 @@ r<rank>_after<n>.txt: the same for what follows the rebuild up to the next step 
 the change and the new layout's first step). Time spent inside a C++
 call shows under the Python line that made it, where cProfile showed nothing (the rebuild's
 1.64 s in NCCL group destruction, BENCHMARKS.md, eighth session). Run from the tree to measure;
-it wraps ElasticController._rebuild of that tree's megadyn.
+it wraps the transition's REBUILD phase of that tree's megadyn (megadyn/elastic/transition.py's
+`rebuild`; ElasticController._rebuild in trees before the transition).
 """
 
 import collections
@@ -23,10 +24,17 @@ import torch
 
 import megadyn.elastic.controller as controller
 
+try:
+    import megadyn.elastic.transition as transition
+except ImportError:  # a tree before the transition: the controller rebuilt
+    transition = None
+
 OUT = os.environ["SAMPLES_DIR"]
 RANK = int(os.environ.get("RANK", 0))
 MAIN = threading.main_thread().ident
-_rebuild = controller.ElasticController._rebuild
+_owner = controller.ElasticController if transition is None else transition
+_name = "_rebuild" if transition is None else "rebuild"
+_rebuild = getattr(_owner, _name)
 _changes = iter(range(1 << 30))
 
 
@@ -63,11 +71,11 @@ def _finish(name, stop, counts, sampler, start) -> None:
         f.writelines(f"{n:5d} {stack}\n" for stack, n in counts.most_common(25))
 
 
-def sampled_rebuild(self, *args, **kwargs):
+def sampled_rebuild(*args, **kwargs):
     n = next(_changes)
     sampling = _start(f"rebuild{n}")
     try:
-        return _rebuild(self, *args, **kwargs)
+        return _rebuild(*args, **kwargs)
     finally:
         _finish(*sampling)
         _after.append(_start(f"after{n}"))
@@ -79,7 +87,7 @@ def sampled_step_hook(self, trainer):
     return _step_hook(self, trainer)
 
 
-controller.ElasticController._rebuild = sampled_rebuild
+setattr(_owner, _name, sampled_rebuild)
 controller.ElasticController.step_hook = sampled_step_hook
 os.makedirs(OUT, exist_ok=True)
 sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]

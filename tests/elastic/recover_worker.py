@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megadyn.elastic import controller, recovery  # noqa: E402
+from megadyn.elastic import controller, recovery, transition  # noqa: E402
 from megadyn.launch import errors  # noqa: E402
 from megadyn.launch.run import main  # noqa: E402
 from megadyn.training.trainer import Trainer  # noqa: E402
@@ -51,20 +51,29 @@ def recording(train_step):
     return step
 
 
-def failing_in(build_groups, spec: str):
-    """`build_groups`, which first sends this process the signal at its n-th call when `spec`
-    ("<rank>:<signal>:<n>") names this rank."""
+def failing_in(build_groups, spec: str, within):
+    """`build_groups`, which first sends this process the signal at its n-th call from inside
+    function `within` (the recovery, or a reconfiguration) when `spec` ("<rank>:<signal>:<n>")
+    names this rank."""
     rank, name, nth = spec.split(":")
     calls = 0
 
     def build(*args, **kwargs):
         nonlocal calls
-        calls += 1
-        if rank == RANK and calls == int(nth):
+        calls += _inside(within)
+        if rank == RANK and calls == int(nth) and _inside(within):
             os.kill(os.getpid(), getattr(signal, name))
         return build_groups(*args, **kwargs)
 
     return build
+
+
+def _inside(function) -> bool:
+    """Whether `function` is on this thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not function.__code__:
+        frame = frame.f_back
+    return frame is not None
 
 
 def awaiting_a_request(leader_decision):
@@ -87,10 +96,11 @@ def run_and_write(argv: list[str]) -> None:
     Trainer.train_step = recording(Trainer.train_step)
     if os.environ.get("RECOVER_TEST_IN_RECOVERY"):
         spec = os.environ["RECOVER_TEST_IN_RECOVERY"]
-        recovery.build_groups = failing_in(recovery.build_groups, spec)
+        transition.build_groups = failing_in(transition.build_groups, spec, recovery.recover)
     if os.environ.get("RECOVER_TEST_IN_RECONFIGURATION"):
         spec = os.environ["RECOVER_TEST_IN_RECONFIGURATION"] + ":1"
-        controller.build_groups = failing_in(controller.build_groups, spec)
+        apply = controller.ElasticController.apply
+        transition.build_groups = failing_in(transition.build_groups, spec, apply)
     if os.environ.get("RECOVER_TEST_AWAIT_REQUEST"):
         leader = controller.ElasticController
         leader._leader_decision = awaiting_a_request(leader._leader_decision)

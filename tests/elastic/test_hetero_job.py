@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import threading
 import time
 from collections import Counter
@@ -142,18 +143,16 @@ def test_recovery_and_drain_keep_templates():
     # pure: the survivors' decision on 3 + 2 stages (5 ranks) after rank 4 died, and a drain
     from test_recovery_decision import TINY
 
-    from megadyn.core.hetero_layout import HeteroLayout, layout_from_dict, layout_to_dict
+    from megadyn.core.hetero_layout import HeteroLayout, layout_to_dict
     from megadyn.elastic.agreement import Report
-    from megadyn.elastic.controller import distopt_of
     from megadyn.elastic.hetero_job import pipelines_layout
-    from megadyn.elastic.recovery import decide
+    from megadyn.elastic.recovery_decision import decide, decision_from_dict
     from megadyn.elastic.requests import resolve_drain
     from megadyn.training.arguments import parse_args
 
     flags = ["--heterogeneous-pipelines", "3", "2", "--elastic-initial-members", "5"]
     cfg = parse_args(TINY + flags, world_size=6)
     five = pipelines_layout(cfg.model, cfg, (3, 2), range(5), device_type="cpu")
-    controller = SimpleNamespace(cfg=cfg, distopt_of=lambda lay: distopt_of(cfg, lay))
     groups = SimpleNamespace(layout=five, grid=SimpleNamespace(members=five.members))
     groups.backend = "gloo"
 
@@ -161,12 +160,13 @@ def test_recovery_and_drain_keep_templates():
         return Report(r, True, 5, {"state": {"iteration": 5}}, layout_to_dict(five), [*range(5)])
 
     seen = {r: report(r) for r in range(4)}
-    d = decide(controller, cfg.model, groups, {**seen, 5: Report(5, False)}, dead={4})
-    replaced = layout_from_dict(d["layout"])  # the standby process 5 takes rank 4's place
-    assert isinstance(replaced, HeteroLayout) and d["members"] == [0, 1, 2, 3, 5]
-    assert replaced.replicas[1].members == (3, 5) and d["sources"] == [0, 1, 2, 3]
-    d = decide(controller, cfg.model, groups, seen, dead={4})  # no standby: 4 survivors
-    assert layout_from_dict(d["layout"]).world_size == 4 and d["sources"] == [0, 1, 2, 3]
+    d = decide(cfg, cfg.model, groups, {**seen, 5: Report(5, False)}, dead={4})
+    replaced = d.layout  # the standby process 5 takes rank 4's place
+    assert isinstance(replaced, HeteroLayout) and d.members == (0, 1, 2, 3, 5)
+    assert replaced.replicas[1].members == (3, 5) and d.sources == (0, 1, 2, 3)
+    assert decision_from_dict(json.loads(json.dumps(d.to_dict()))) == d  # the store's JSON
+    d = decide(cfg, cfg.model, groups, seen, dead={4})  # no standby: 4 survivors
+    assert d.layout.world_size == 4 and d.sources == (0, 1, 2, 3)
     layout, members, left = resolve_drain(2, cfg.model, cfg, groups, [*range(6)])
     assert members == [0, 1, 5, 3, 4] and left == [2]  # stage ranks ascend: here one each
     assert layout.replicas[0].members == (0, 1, 5)

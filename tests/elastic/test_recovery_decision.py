@@ -9,8 +9,10 @@ communicators were aborted. The survivors' waits in the store end when another f
 recorded (the agreement then starts over) or at their deadline."""
 
 import dataclasses
+import json
 import threading
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -18,10 +20,10 @@ import torch.distributed as dist
 
 from megadyn.core.layout import Layout
 from megadyn.elastic.agreement import Holding, RecoveryError, Report, Round
-from megadyn.elastic.controller import distopt_of
 from megadyn.elastic.planner import PlanError
 from megadyn.elastic.recovery import abort
-from megadyn.elastic.recovery_decision import decide, recovery_plan
+from megadyn.elastic.recovery_decision import decide, decision_from_dict
+from megadyn.elastic.transition import distopt_of, plan_from
 from megadyn.training.arguments import parse_args
 
 TINY = (
@@ -33,11 +35,11 @@ TINY = (
 
 def setup(layout: Layout, members, *flags: str):
     cfg = parse_args(TINY + list(flags), world_size=layout.world_size)
-    controller = SimpleNamespace(cfg=cfg, distopt_of=lambda lay: distopt_of(cfg, lay))
+    distopt = partial(distopt_of, cfg)
     groups = SimpleNamespace(
         layout=layout, grid=SimpleNamespace(members=tuple(members)), backend="gloo"
     )
-    return cfg, controller, groups
+    return cfg, distopt, groups
 
 
 def reports(layout: Layout, members, iterations: dict[int, int | None], standby=()):
@@ -60,42 +62,42 @@ def reports(layout: Layout, members, iterations: dict[int, int | None], standby=
 
 def test_a_standby_process_takes_the_dead_members_place():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
-    cfg, controller, groups = setup(tp2dp2, range(4))
+    cfg, distopt, groups = setup(tp2dp2, range(4))
     seen = reports(tp2dp2, range(4), {0: 5, 2: 5, 3: 5}, standby=[4])
-    d = decide(controller, cfg.model, "gloo", seen, dead={1})
+    d = decide(cfg, cfg.model, "gloo", seen, dead={1})
     # (members ascend within a pipeline stage, as torch numbers group ranks)
-    assert Layout(**d["layout"]) == tp2dp2 and d["members"] == [0, 2, 3, 4]
-    assert (d["iteration"], d["sources"], d["group_count"]) == (5, [0, 2, 3], 13)
+    assert d.layout == tp2dp2 and d.members == (0, 2, 3, 4)
+    assert (d.iteration, d.sources, d.group_count) == (5, (0, 2, 3), 13)
 
 
 def test_without_standby_the_survivors_take_the_layout_for_their_count():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
-    cfg, controller, groups = setup(tp2dp2, range(4))
-    d = decide(controller, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
-    assert Layout(**d["layout"]).world_size == 3 and sorted(d["members"]) == [0, 1, 2]
-    assert d["sources"] == [0, 1, 2]
+    cfg, distopt, groups = setup(tp2dp2, range(4))
+    d = decide(cfg, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 5, 1: 5, 2: 5}), {3})
+    assert d.layout.world_size == 3 and sorted(d.members) == [0, 1, 2]
+    assert d.sources == (0, 1, 2)
 
 
 def test_the_oldest_step_every_survivor_reached_and_only_its_holders():
     # rank 2 finished step 6, rank 1 is at 5, rank 3 stopped inside an update: step 5 from
     # rank 1 alone; then rank 1 is the only source of dp replica 0's pieces and of nothing else
     dp4 = Layout(tp=1, pp=1, dp=4)
-    cfg, controller, groups = setup(dp4, range(4))
-    d = decide(controller, cfg.model, "gloo", reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
-    assert (d["iteration"], d["sources"], d["newest"]) == (5, [1], 6)
-    assert d["training"] == {"state": {"iteration": 5}}
+    cfg, distopt, groups = setup(dp4, range(4))
+    d = decide(cfg, cfg.model, "gloo", reports(dp4, range(4), {1: 5, 2: 6, 3: None}), {0})
+    assert (d.iteration, d.sources, d.newest) == (5, (1,), 6)
+    assert d.training == {"state": {"iteration": 5}}
 
 
 def test_a_dead_ranks_optimizer_shard_has_no_replica():
     dp2 = Layout(tp=1, pp=1, dp=2)
-    cfg, controller, groups = setup(dp2, range(2), "--use-distributed-optimizer")
-    d = decide(controller, cfg.model, "gloo", reports(dp2, range(2), {0: 4}), {1})
-    assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
+    cfg, distopt, groups = setup(dp2, range(2), "--use-distributed-optimizer")
+    d = decide(cfg, cfg.model, "gloo", reports(dp2, range(2), {0: 4}), {1})
+    assert d.sources == () and "no survivor holds a replica" in d.missing
     with pytest.raises(PlanError):
-        recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
+        plan_from(cfg.model, distopt, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
     # without it every piece of rank 1 is a data-parallel copy of rank 0's
-    cfg, controller, groups = setup(dp2, range(2))
-    plan = recovery_plan(cfg.model, controller.distopt_of, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
+    cfg, distopt, groups = setup(dp2, range(2))
+    plan = plan_from(cfg.model, distopt, dp2, [0, 1], Layout(1, 1, 1), [0], [0])
     assert plan.total_bytes == 0 and {t.src for t in plan.transfers} == {0}
 
 
@@ -103,22 +105,24 @@ def test_a_failure_before_a_recoverys_first_step_reads_what_the_survivor_kept():
     # dp3 lost rank 2 and the survivors went to pp2 over [0, 1] (no replica of either stage);
     # rank 1 died before step 5 ended: rank 0 still holds the whole model at step 4 under dp3
     dp3, pp2 = Layout(tp=1, pp=1, dp=3), Layout(tp=1, pp=2, dp=1)
-    cfg, controller, _ = setup(dp3, range(3))
+    cfg, distopt, _ = setup(dp3, range(3))
     training = {"state": {"iteration": 4}}
     now = Report(0, True, 4, training, dataclasses.asdict(pp2), [0, 1])
     kept = Holding(4, training, dataclasses.asdict(dp3), [0, 1, 2])
-    d = decide(controller, cfg.model, "gloo", {0: dataclasses.replace(now, earlier=[kept])}, {1, 2})
-    assert (d["old_layout"], d["old_members"]) == (dataclasses.asdict(dp3), [0, 1, 2])
-    assert (d["iteration"], d["sources"], d["holding"], d["members"]) == (4, [0], {"0": 1}, [0])
-    d = decide(controller, cfg.model, "gloo", {0: now}, {1})  # without it: stage 1 is lost
-    assert d["sources"] == [] and "no survivor holds a replica" in d["missing"]
+    d = decide(cfg, cfg.model, "gloo", {0: dataclasses.replace(now, earlier=[kept])}, {1, 2})
+    assert (d.old_layout, d.old_members) == (dp3, (0, 1, 2))
+    assert (d.iteration, d.sources, d.holding, d.members) == (4, (0,), {0: 1}, (0,))
+    assert decision_from_dict(json.loads(json.dumps(d.to_dict()))) == d  # the store's JSON
+    d = decide(cfg, cfg.model, "gloo", {0: now}, {1})  # without it: stage 1 is lost
+    assert d.sources == () and "no survivor holds a replica" in d.missing
 
 
 def test_no_layout_for_the_survivors_is_an_error():
     tp2dp2 = Layout(tp=2, pp=1, dp=2)
-    cfg, controller, groups = setup(tp2dp2, range(4), "--elastic-min-members", "4")
-    d = decide(controller, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
-    assert d["error"].startswith("no layout for the survivors: 3 members is below")
+    cfg, distopt, groups = setup(tp2dp2, range(4), "--elastic-min-members", "4")
+    d = decide(cfg, cfg.model, "gloo", reports(tp2dp2, range(4), {0: 3, 1: 3, 2: 3}), {3})
+    assert d.error.startswith("no layout for the survivors: 3 members is below")
+    assert decision_from_dict(json.loads(json.dumps(d.to_dict()))) == d
 
 
 def fake_trainer(iteration: int, clean: bool):
