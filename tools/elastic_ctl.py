@@ -29,8 +29,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # no C++ trace for a stor
 
 import torch.distributed as dist  # noqa: E402
 
-from megadyn.elastic.control import ControlChannel, StoreGone, connect, queue_of  # noqa: E402
-from megadyn.elastic.records import Request, RequestError  # noqa: E402
+from megadyn.elastic.control.channel import ControlChannel, StoreGone, connect, queue_of  # noqa: E402
+from megadyn.elastic.control.records import Request, RequestError  # noqa: E402
 
 CONNECT_S, ANSWER_S = 3.0, 600.0
 """Without --timeout: how long to try to reach the job's control store, and to wait for an

@@ -7,9 +7,9 @@ For each model and member count N: the best (tp, pp, dp) grid that `LayoutPlanne
 at most N members (the fastest over every count it can use), and the mix of pipeline templates
 `HeteroPlanner` picks for N; members used and modelled tokens/s of each, their ratio, and what
 `--elastic-layout auto` with templates would run (`templates_win`).
-Both come from the same memory and cost models (megadyn/elastic/layout_planner.py); the grid's
+Both come from the same memory and cost models (megadyn/elastic/planning/layouts.py); the grid's
 step is the planner's own estimate (which spreads the output layer evenly over the stages and
-may interleave), the templates' the per-stage 1F1B model of megadyn/elastic/templates.py.
+may interleave), the templates' the per-stage 1F1B model of megadyn/elastic/planning/templates.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import argparse
 import time
 
 from megadyn.core.layout import LayoutError
-from megadyn.elastic.hetero_planner import HeteroPlanner, best_grid, templates_win
-from megadyn.elastic.layout_planner import LayoutPlanner
+from megadyn.elastic.planning.hetero import HeteroPlanner, best_grid, templates_win
+from megadyn.elastic.planning.layouts import LayoutPlanner
 from megadyn.models import GPTConfig
 
 MODELS = {  # layers: (hidden, heads): GPT-3 style widths, each too large for one 80 GiB GPU

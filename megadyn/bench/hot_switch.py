@@ -5,7 +5,7 @@ into a layout of tp N over the same ranks and the gradients back. Two mechanisms
 
 - gather: `LayoutSwitch` (megadyn/training/layout_switch.py): a local slice for the weights
   (the base holds whole tensors), one all-gather per bucket over tp for the gradients;
-- reshard: the live reshard's planner and executor (megadyn/elastic/planner.py, executor.py)
+- reshard: the live reshard's planner and executor (megadyn/elastic/reshard/plan.py, executor.py)
   on the weights' part of the state description (the gradients described as fp32), plan made
   once, batched point-to-point transfers each time.
 
@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
-from megadyn.elastic.description import StateDescription, TensorInfo, describe
-from megadyn.elastic.executor import execute_plan
-from megadyn.elastic.planner import plan_between
+from megadyn.elastic.reshard.description import StateDescription, TensorInfo, describe
+from megadyn.elastic.reshard.executor import execute_plan
+from megadyn.elastic.reshard.plan import plan_between
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.models import build_gpt_chunks
 from megadyn.models.config import GPTConfig

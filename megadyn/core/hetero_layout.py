@@ -10,7 +10,7 @@
 
 A replica is one pipeline (tp x stages ranks, tp fastest within a stage, then stage by stage);
 replicas share tp but not their depth or where their stages cut the layers (pipeline templates,
-megadyn/elastic/templates.py). A global step runs `micro_batches` micro batches on each replica
+megadyn/elastic/planning/templates.py). A global step runs `micro_batches` micro batches on each replica
 (together the global batch); every weight's gradient is summed over the ranks that hold it in
 every replica: one group per layer range and tp rank, plus the embedding ends:
 - `word_embeddings`: first stages, and last stages when the output layer is tied to it;
@@ -212,7 +212,7 @@ class HeteroLayout:
     @property
     def pp(self) -> int:
         """Stages of the first replica (the deepest of a planner's mix): the pipeline ranks
-        whose RNG streams a reconfiguration hands over (megadyn/elastic/rng_handover.py)."""
+        whose RNG streams a reconfiguration hands over (megadyn/elastic/recovery/rng_handover.py)."""
         return self.replicas[0].num_stages
 
     @property

@@ -63,7 +63,7 @@ class ElasticConfig:
     """What a failure does in elastic mode: 'in-process' drains a worker that gets SIGTERM (a
     preemption notice) at the next step boundary as a live scale-in (a standby process takes
     its place when one waits) and it exits 0; under `python -m megadyn.launch` the survivors of
-    a worker that dies or hangs recover in the same processes (megadyn/elastic/recovery.py).
+    a worker that dies or hangs recover in the same processes (megadyn/elastic/recovery/recovery.py).
     'restart' ends the worker, as without elastic mode, and torchrun restarts the job
     (--elastic-recovery)."""
     exit_signal_handler: bool = False

@@ -14,7 +14,7 @@ Where each piece of state comes from (`Transition.origin`):
 - "live": the old members' tensors as they train (a request, a drain, a join);
 - "replicas": tensors the survivors of a failure salvaged (`Transition.sources`), each read from
   one of its holdings (`Transition.holding`: 0 the layout it trained under, k the k-th replica
-  it kept from before a recovery whose first step has not finished; recovery.py);
+  it kept from before a recovery whose first step has not finished; recovery/recovery.py);
 - "snapshot": no survivor holds a replica; the newest in-memory snapshot is loaded instead.
 
 Nothing else in megadyn/elastic calls the reshard executor or rebuilds a trainer.
@@ -35,19 +35,19 @@ import torch.distributed as dist
 from megadyn.core.distributed import default_bucket_size
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import RecoveryError
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.description import DistOpt, StateDescription
-from megadyn.elastic.executor import execute_plan
-from megadyn.elastic.hetero_job import build_groups, describe_layout_state
-from megadyn.elastic.planner import Plan, plan_between
-from megadyn.elastic.records import Reconfiguration
-from megadyn.elastic.watched_store import watching_failures
+from megadyn.elastic.control.records import Reconfiguration
+from megadyn.elastic.planning.hetero_job import build_groups, describe_layout_state
+from megadyn.elastic.recovery.agreement import RecoveryError
+from megadyn.elastic.recovery.watched_store import watching_failures
+from megadyn.elastic.reshard.description import DistOpt, StateDescription
+from megadyn.elastic.reshard.executor import execute_plan
+from megadyn.elastic.reshard.plan import Plan, plan_between
 from megadyn.models.config import GPTConfig
 
 if TYPE_CHECKING:
-    from megadyn.elastic.protocol import ReshardableTrainer
-    from megadyn.elastic.retired_groups import RetiredGroups
+    from megadyn.elastic.control.protocol import ReshardableTrainer
+    from megadyn.elastic.recovery.retired_groups import RetiredGroups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,7 +282,7 @@ def rebuild(t: Transition, env, made: _Groups, trainer, new_state, restore_rng, 
         return trainer
     if trainer is None:  # it leaves the layout: nothing waits
         old_groups.destroy()
-    else:  # destroyed beside the second step (retired_groups.py)
+    else:  # destroyed beside the second step (recovery/retired_groups.py)
         retired.hold(old_groups)
     return trainer
 

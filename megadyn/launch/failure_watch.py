@@ -14,7 +14,7 @@ NCCL (`abort_nccl`) the thread notes the last step whose device work had finishe
 (`device_done`: the steps after it may have used a collective cut short, which does not raise)
 and aborts the communicators, which ends the collectives waiting on the dead rank; then it
 runs `on_failure(dead)`. The elastic controller reads `dead()` at its step boundaries and
-polls, and its recovery agrees in `store` (megadyn/elastic/agreement.py).
+polls, and its recovery agrees in `store` (megadyn/elastic/recovery/agreement.py).
 
 Starting the watch declares that this attempt's workers recover in-process
 (`failures.declare_recovering`): from then on the agent keeps the survivors running.

@@ -28,7 +28,7 @@ import json
 import signal
 from dataclasses import asdict, dataclass
 
-from megadyn.elastic.agreement import poll
+from megadyn.elastic.recovery.agreement import poll
 
 RECOVERING_KEY = "survivors_recover"
 """Set by the workers of an attempt (any one of them) once they recover from a peer's death."""

@@ -8,7 +8,7 @@
 What SIGTERM does to a worker:
 
     elastic mode, --elastic-recovery in-process (default)   the process is drained: a live
-        scale-in at the next step boundary, and it exits 0 (megadyn/elastic/drain.py)
+        scale-in at the next step boundary, and it exits 0 (megadyn/elastic/control/drain.py)
     --exit-signal-handler (Megatron-LM's flag), a drain refused or no elastic mode   every
         member saves a checkpoint (with --save) at the next step boundary and exits 0
     otherwise                                            the default action: the process ends
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadyn.elastic.drain import Stopped
+from megadyn.elastic.control.drain import Stopped
 from megadyn.training.hooks import StepHook
 
 _received = False

@@ -5,7 +5,7 @@
 Under `torchrun --nnodes MIN:MAX` a restart may bring back fewer (or more) workers than the job
 started with. Where the command line's tp x pp still fits the new world and the global batch,
 only dp changes, as at a first start. Where it does not, a restarted job under
-`--elastic-layout auto` asks the layout planner (megadyn/elastic/requests.py `plan_layout`) for
+`--elastic-layout auto` asks the layout planner (megadyn/elastic/planning/requests.py `plan_layout`) for
 tp, pp, vpp and sequence parallelism over the new world, keeping the micro batch size, the
 recomputation and the global batch size; the job then loads its layout-free snapshot under
 that layout. A first start, or `--elastic-layout pinned`, reports the error instead.
@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from megadyn.core.layout import Layout, LayoutError
-from megadyn.elastic.requests import check_layout, plan_layout
+from megadyn.elastic.planning.requests import check_layout, plan_layout
 from megadyn.training.arguments import parse_config, validate
 from megadyn.training.config import ConfigError, MegadynConfig
 

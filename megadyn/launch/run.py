@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.hetero_layout import HeteroLayout
-from megadyn.elastic.agreement import PeerFailed, RecoveryError
-from megadyn.elastic.control import ControlChannel, connect
-from megadyn.elastic.controller import ElasticController, Released
-from megadyn.elastic.drain import DrainSignal, Stopped
-from megadyn.elastic.hetero_job import build_groups, job_members
+from megadyn.elastic.control.channel import ControlChannel, connect
+from megadyn.elastic.control.controller import ElasticController, Released
+from megadyn.elastic.control.drain import DrainSignal, Stopped
+from megadyn.elastic.planning.hetero_job import build_groups, job_members
+from megadyn.elastic.recovery.agreement import PeerFailed, RecoveryError
 from megadyn.launch import fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.launch.failure_watch import FailureWatch

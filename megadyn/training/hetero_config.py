@@ -4,7 +4,7 @@
     layout = first_layout(cfg, world, "cuda")    # a grid (Layout) or replicas (HeteroLayout)
 
 With stage counts (`--heterogeneous-pipelines 3 2`) the job starts as those replicas, built
-from the template planner's templates (megadyn/elastic/hetero_job.py); without, on the command
+from the template planner's templates (megadyn/elastic/planning/hetero_job.py); without, on the command
 line's grid where it fits the members, else on the planner's choice for them.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError
-from megadyn.elastic.hetero_job import layout_with_templates, pipelines_layout
-from megadyn.elastic.requests import validate_for
+from megadyn.elastic.planning.hetero_job import layout_with_templates, pipelines_layout
+from megadyn.elastic.planning.requests import validate_for
 from megadyn.training.config import ConfigError, MegadynConfig
 
 FLAG = "--heterogeneous-pipelines"

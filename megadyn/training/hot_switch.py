@@ -1,7 +1,7 @@
 """Hot switching (--dynamic-parallelism): a step's samples run in length groups, each under the
 layout that suits its lengths, over the same processes.
 
-At the start the length planner (megadyn/elastic/length_planner.py) picks, from the cost and
+At the start the length planner (megadyn/elastic/planning/lengths.py) picks, from the cost and
 memory models, which tp x dp layout runs which sample lengths and each layout's micro-batch
 token budget. The job's own layout (the base) keeps the model, the optimizer and the gradient
 buffers of record; every other layout of the plan gets its own groups and a copy of the model
@@ -43,7 +43,7 @@ from megadyn.core.layout import Layout
 from megadyn.core.pipeline import forward_backward
 from megadyn.core.tensor_parallel import RNGTracker
 from megadyn.data.token_budget import split_by_weight
-from megadyn.elastic.length_planner import LengthPlan, plan_length_groups
+from megadyn.elastic.planning.lengths import LengthPlan, plan_length_groups
 from megadyn.models import build_gpt_chunks
 from megadyn.models.config import GPTConfig
 from megadyn.models.flops import model_flops_per_iteration

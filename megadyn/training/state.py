@@ -6,7 +6,7 @@
     trainer.load_training_state(TrainingState.from_dict(meta))
 
 The tensors of training state (weights, fp32 main weights, Adam moments) have their layout-free
-description in megadyn/elastic/description.py; the RNG streams travel per (pp, tp) coordinate
+description in megadyn/elastic/reshard/description.py; the RNG streams travel per (pp, tp) coordinate
 (megadyn/training/checkpoint_items.py). Everything else a run must carry across a checkpoint,
 a snapshot, a live reshard or a recovery is a field here, so a value added once (the dynamic
 loss scale, say) reaches every path.

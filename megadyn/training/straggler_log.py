@@ -7,7 +7,7 @@
 
 Each member's RankTimer (rank_timing.py) gives its mean seconds per step by part; one
 all-gather of those few floats over the layout's members gives every member the same table,
-and with it the same verdict (megadyn/elastic/stragglers.py), so the leader can act on it
+and with it the same verdict (megadyn/elastic/control/stragglers.py), so the leader can act on it
 without another message. The hosts and devices are gathered once per layout. The logging rank
 prints one line under --log-straggler (and whenever a straggler is found), appends the
 figures of every rank to the metrics file (record "stragglers") and sends them to W&B
@@ -22,7 +22,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from megadyn.elastic.stragglers import (
+from megadyn.elastic.control.stragglers import (
     RankFigures,
     StragglerDetector,
     StragglerScores,

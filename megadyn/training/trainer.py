@@ -13,7 +13,7 @@ The Trainer is composed of parts it builds and collaborators it holds:
 - `checkpoints` (trainer_checkpoints.py): saving and loading;
 - what does not depend on the layout stays here: the data cursor and counters (`state`), the
   learning-rate schedule, the log of what it drew (draws.py) and its losses.
-It is the elastic controller's `ReshardableTrainer` (megadyn/elastic/protocol.py): reshards,
+It is the elastic controller's `ReshardableTrainer` (megadyn/elastic/control/protocol.py): reshards,
 recovery and snapshots read and write its state through the methods under "state". The job runtime (megadyn/launch) runs its snapshots, heartbeats
 and elastic controller as step hooks (hooks.py).
 """
@@ -320,7 +320,7 @@ class Trainer:
             if scaler is not None and ts.grad_scaler:
                 scaler.load_state_dict(ts.grad_scaler)
 
-    # --- the elastic controller's view (megadyn/elastic/protocol.py) --------------------------
+    # --- the elastic controller's view (megadyn/elastic/control/protocol.py) --------------------------
     @property
     def iteration(self) -> int:
         return self.state.iteration

@@ -13,7 +13,7 @@ from __future__ import annotations
 from megadyn.core.layout import Layout
 from megadyn.core.pipeline.cuda_graph import MicroBatchGraph, check_cuda_graph
 from megadyn.data import TOKENIZER_TYPES, parse_data_path, parse_split
-from megadyn.elastic.requests import context_parallel_conflicts, validate_for
+from megadyn.elastic.planning.requests import context_parallel_conflicts, validate_for
 from megadyn.training.config import ConfigError, ElasticConfig, MegadynConfig
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import check_schedule

@@ -3,8 +3,9 @@
 #
 #   reshard/    description, regions, plan (was planner.py), executor, hetero_description
 #   planning/   layouts (was layout_planner.py), hetero (hetero_planner.py), lengths
-#               (length_planner.py), templates, requests, hetero_job
-#   control/    channel (control.py), records, drain, controller, protocol, events
+#               (length_planner.py), templates, requests, hetero_job, straggler_rebalance
+#   control/    channel (control.py), records, drain, controller, protocol, events,
+#               stragglers (scores), straggler_action
 #   recovery/   agreement, decision (recovery_decision.py), recovery, watched_store,
 #               rng_handover, retired_groups
 #   transition.py and config.py stay at the top.
@@ -34,12 +35,15 @@ length_planner planning/lengths
 templates planning/templates
 requests planning/requests
 hetero_job planning/hetero_job
+straggler_rebalance planning/straggler_rebalance
 control control/channel
 records control/records
 drain control/drain
 controller control/controller
 protocol control/protocol
 events control/events
+stragglers control/stragglers
+straggler_action control/straggler_action
 agreement recovery/agreement
 recovery_decision recovery/decision
 recovery recovery/recovery

@@ -245,11 +245,11 @@ def check_dynamic_cp(c: Check) -> CheckResult:
 
 def hot_memory_gib(flags: list[str], vocab: int, seq: int, gbs: int) -> tuple[float, str]:
     """A --dynamic-parallelism-memory-gib under which the length planner (the job's own,
-    megadyn/elastic/length_planner.py) sends short samples to dp 2 and long ones to tp 2:
+    megadyn/elastic/planning/lengths.py) sends short samples to dp 2 and long ones to tp 2:
     the middle of the memory range where its plan has both groups (below it some length fits
     no layout, above it dp 2 holds them all); and the plan's groups."""
     from megadyn.core.layout import Layout, LayoutError
-    from megadyn.elastic.length_planner import plan_length_groups
+    from megadyn.elastic.planning.lengths import plan_length_groups
     from megadyn.models.config import GPTConfig
 
     value = {k: int(v) for k, v in zip(flags, flags[1:]) if k.startswith("--") and v.isdigit()}

@@ -37,7 +37,7 @@ if [ "${TINY:-0}" = 1 ]; then
   # the memory of a dp 2 micro batch of 400 tokens beside a tp 2 copy: longer samples go to tp 2
   MEMORY_GIB=$(python3 -c "
 from megadyn.core.layout import Layout; from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.layout_planner import memory_gib; from megadyn.models.config import GPTConfig
+from megadyn.elastic.planning.layouts import memory_gib; from megadyn.models.config import GPTConfig
 cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                 vocab_size=$((VOCAB + 1)), max_position_embeddings=$SEQ)
 rc = RecomputeConfig()

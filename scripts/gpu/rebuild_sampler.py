@@ -22,7 +22,10 @@ import traceback
 
 import torch
 
-import megadyn.elastic.controller as controller
+try:
+    import megadyn.elastic.control.controller as controller
+except ImportError:  # a tree before elastic's subpackages
+    import megadyn.elastic.controller as controller
 
 try:
     import megadyn.elastic.transition as transition

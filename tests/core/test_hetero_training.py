@@ -23,10 +23,10 @@ from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import forward_backward
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.description import DistOpt
-from megadyn.elastic.hetero_description import describe_hetero
-from megadyn.elastic.hetero_planner import HeteroPlanner
-from megadyn.elastic.layout_planner import LayoutPlanner
+from megadyn.elastic.planning.hetero import HeteroPlanner
+from megadyn.elastic.planning.layouts import LayoutPlanner
+from megadyn.elastic.reshard.description import DistOpt
+from megadyn.elastic.reshard.hetero_description import describe_hetero
 from megadyn.testing.spawn import spawn
 from megadyn.training.build import build_model_parts, no_sync
 from megadyn.training.config import MegadynConfig, TrainingConfig

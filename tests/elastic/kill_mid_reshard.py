@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pretrain_gpt  # noqa: E402
-from megadyn.elastic import executor  # noqa: E402
+from megadyn.elastic.reshard import executor  # noqa: E402
 
 
 def install() -> None:

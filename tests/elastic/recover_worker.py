@@ -26,7 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megadyn.elastic import controller, recovery, transition  # noqa: E402
+from megadyn.elastic import transition  # noqa: E402
+from megadyn.elastic.control import controller  # noqa: E402
+from megadyn.elastic.recovery import recovery  # noqa: E402
 from megadyn.launch import errors  # noqa: E402
 from megadyn.launch.run import main  # noqa: E402
 from megadyn.training.trainer import Trainer  # noqa: E402

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megadyn.elastic.control import connect
+from megadyn.elastic.control.channel import connect
 from megadyn.testing.spawn import _ephemeral_low, free_port
 
 

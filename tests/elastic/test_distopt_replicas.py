@@ -9,7 +9,7 @@ import pytest
 
 from megadyn.core.layout import Layout, LayoutError, RankGrid
 from megadyn.elastic import DistOpt, PlanError, describe, plan_reshard
-from megadyn.elastic.requests import with_job_instances
+from megadyn.elastic.planning.requests import with_job_instances
 from megadyn.testing import free_port, run_pretrain, spawn
 from megadyn.training.arguments import parse_args
 from megadyn.training.config import ConfigError

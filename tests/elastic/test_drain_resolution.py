@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from megadyn.core.layout import Layout, LayoutError
-from megadyn.elastic.control import NONE, ControlChannel, connect
-from megadyn.elastic.drain import Drain, DrainSignal
-from megadyn.elastic.records import Request
-from megadyn.elastic.requests import resolve_drain
+from megadyn.elastic.control.channel import NONE, ControlChannel, connect
+from megadyn.elastic.control.drain import Drain, DrainSignal
+from megadyn.elastic.control.records import Request
+from megadyn.elastic.planning.requests import resolve_drain
 from megadyn.launch import preemption
 from megadyn.testing import free_port
 from megadyn.training.arguments import parse_args

@@ -4,8 +4,8 @@ operator's answer) keep the keys and order the tools parse (pure; no processes).
 import dataclasses
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.events import FailureEvent, format_event, membership_event
-from megadyn.elastic.records import Reconfiguration
+from megadyn.elastic.control.events import FailureEvent, format_event, membership_event
+from megadyn.elastic.control.records import Reconfiguration
 
 
 def test_a_membership_change_keeps_the_head_and_a_zero_total():

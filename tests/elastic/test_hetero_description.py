@@ -11,8 +11,8 @@ from test_planner import GPT2, LLAMA, SCALARS, simulate
 from megadyn.core.hetero_layout import HeteroLayout, Replica
 from megadyn.core.layout import Layout
 from megadyn.elastic import describe, plan_between
-from megadyn.elastic.description import DistOpt
-from megadyn.elastic.hetero_description import describe_hetero
+from megadyn.elastic.reshard.description import DistOpt
+from megadyn.elastic.reshard.hetero_description import describe_hetero
 
 UNTIED = LLAMA.with_(untie_embeddings_and_output_weights=True)
 

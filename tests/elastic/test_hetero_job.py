@@ -114,8 +114,8 @@ def test_a_scale_under_auto_takes_templates_where_they_use_more_members():
 
     from megadyn.core.hetero_layout import HeteroLayout
     from megadyn.core.layout import Layout
-    from megadyn.elastic.records import Request
-    from megadyn.elastic.requests import resolve_request
+    from megadyn.elastic.control.records import Request
+    from megadyn.elastic.planning.requests import resolve_request
     from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
 
     cfg = MegadynConfig(
@@ -144,10 +144,10 @@ def test_recovery_and_drain_keep_templates():
     from test_recovery_decision import TINY
 
     from megadyn.core.hetero_layout import HeteroLayout, layout_to_dict
-    from megadyn.elastic.agreement import Report
-    from megadyn.elastic.hetero_job import pipelines_layout
-    from megadyn.elastic.recovery_decision import decide, decision_from_dict
-    from megadyn.elastic.requests import resolve_drain
+    from megadyn.elastic.planning.hetero_job import pipelines_layout
+    from megadyn.elastic.planning.requests import resolve_drain
+    from megadyn.elastic.recovery.agreement import Report
+    from megadyn.elastic.recovery.decision import decide, decision_from_dict
     from megadyn.training.arguments import parse_args
 
     flags = ["--heterogeneous-pipelines", "3", "2", "--elastic-initial-members", "5"]

@@ -1,4 +1,4 @@
-"""The survivors of a killed or hung worker recover in-process (megadyn/elastic/recovery.py).
+"""The survivors of a killed or hung worker recover in-process (megadyn/elastic/recovery/recovery.py).
 
 Real `python -m megadyn.launch --max-restarts 0` jobs of pretrain_gpt.py (through
 tests/elastic/recover_worker.py, which records each step's samples) on gloo, elastic mode:

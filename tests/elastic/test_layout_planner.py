@@ -9,9 +9,9 @@ import pytest
 
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.layout_planner import CostModel, LayoutPlanner, memory_gib
-from megadyn.elastic.records import Request
-from megadyn.elastic.requests import resolve_request
+from megadyn.elastic.control.records import Request
+from megadyn.elastic.planning.layouts import CostModel, LayoutPlanner, memory_gib
+from megadyn.elastic.planning.requests import resolve_request
 from megadyn.models import GPTConfig
 from megadyn.training.arguments import parse_config
 

@@ -4,9 +4,9 @@ when the job finishes are refused naming the iteration (one process, no training
 
 from types import SimpleNamespace
 
-from megadyn.elastic.control import NONE, ControlChannel, connect
-from megadyn.elastic.controller import ElasticController
-from megadyn.elastic.records import Finish, Request
+from megadyn.elastic.control.channel import NONE, ControlChannel, connect
+from megadyn.elastic.control.controller import ElasticController
+from megadyn.elastic.control.records import Finish, Request
 from megadyn.testing import free_port, spawn
 
 

@@ -65,7 +65,7 @@ REQUESTS = [
 
 
 def operator(port, requests):
-    from megadyn.elastic.control import ControlChannel, connect
+    from megadyn.elastic.control.channel import ControlChannel, connect
 
     channel = ControlChannel(connect("127.0.0.1", port, is_server=False))
     for r in requests:

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from megadyn.core.layout import Layout, RankGrid
 from megadyn.elastic import DistOpt, HeldPiece, PlanError, describe, plan_between, plan_reshard
-from megadyn.elastic.executor import schedule_rounds, split_transfer
-from megadyn.elastic.planner import _fragments
-from megadyn.elastic.regions import flat_segments, split_lengths
+from megadyn.elastic.reshard.executor import schedule_rounds, split_transfer
+from megadyn.elastic.reshard.plan import _fragments
+from megadyn.elastic.reshard.regions import flat_segments, split_lengths
 from megadyn.models.config import GPTConfig
 
 GPT2 = GPTConfig.gpt2(

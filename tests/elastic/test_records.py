@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.records import (
+from megadyn.elastic.control.records import (
     Finish,
     Reconfiguration,
     Request,

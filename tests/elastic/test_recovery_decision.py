@@ -19,10 +19,10 @@ import pytest
 import torch.distributed as dist
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import Holding, RecoveryError, Report, Round
-from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery import abort
-from megadyn.elastic.recovery_decision import decide, decision_from_dict
+from megadyn.elastic.recovery.agreement import Holding, RecoveryError, Report, Round
+from megadyn.elastic.recovery.decision import decide, decision_from_dict
+from megadyn.elastic.recovery.recovery import abort
+from megadyn.elastic.reshard.plan import PlanError
 from megadyn.elastic.transition import distopt_of, plan_from
 from megadyn.training.arguments import parse_args
 

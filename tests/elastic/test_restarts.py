@@ -132,7 +132,7 @@ def test_elastic_mode_resumes_after_a_kill_during_a_live_reshard(tmp_path):
 
 def submit(port: int, request: dict) -> None:
     """An operator request to the job's control store (waits for the store to come up)."""
-    from megadyn.elastic.control import ControlChannel, connect
+    from megadyn.elastic.control.channel import ControlChannel, connect
 
     ControlChannel(connect("127.0.0.1", port, is_server=False, timeout_s=120)).submit(request)
 

@@ -1,9 +1,9 @@
-"""megadyn/elastic/retired_groups.py: the old layout's groups are destroyed by a thread, and
+"""megadyn/elastic/recovery/retired_groups.py: the old layout's groups are destroyed by a thread, and
 `join` waits for them (the controller joins before it creates groups again)."""
 
 import threading
 
-from megadyn.elastic.retired_groups import RetiredGroups
+from megadyn.elastic.recovery.retired_groups import RetiredGroups
 
 
 class _SlowGroups:

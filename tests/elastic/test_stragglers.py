@@ -26,8 +26,8 @@ from collections import Counter
 import pytest
 import test_live_reconfiguration as live
 
-from megadyn.elastic.straggler_rebalance import split_by_speed
-from megadyn.elastic.stragglers import RankFigures, StragglerDetector, format_scores
+from megadyn.elastic.control.stragglers import RankFigures, StragglerDetector, format_scores
+from megadyn.elastic.planning.straggler_rebalance import split_by_speed
 from megadyn.testing import free_port, run_pretrain, spawn
 from megadyn.training.arguments import ConfigError, parse_args
 
@@ -124,7 +124,7 @@ def excluding_run(rank, world, argv, port):
 
 
 def watch_state(port: int, seen: dict) -> None:
-    from megadyn.elastic.control import ControlChannel, connect
+    from megadyn.elastic.control.channel import ControlChannel, connect
 
     channel = ControlChannel(connect("127.0.0.1", port, is_server=False))
     while True:

@@ -8,15 +8,15 @@ import pytest
 
 from megadyn.core.layout import Layout
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.hetero_planner import (
+from megadyn.elastic.planning.hetero import (
     HeteroPlan,
     HeteroPlanner,
     best_grid,
     grid_or_templates,
     split_microbatches,
 )
-from megadyn.elastic.layout_planner import CostModel, LayoutPlanner, memory_gib
-from megadyn.elastic.templates import PipelineTemplate, StageModel
+from megadyn.elastic.planning.layouts import CostModel, LayoutPlanner, memory_gib
+from megadyn.elastic.planning.templates import PipelineTemplate, StageModel
 from megadyn.models import GPTConfig
 
 BIG = GPTConfig.gpt2(  # 5 B parameters: a stage needs about half of an 80 GiB GPU's memory

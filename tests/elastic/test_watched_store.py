@@ -1,5 +1,5 @@
 """Group creation inside `watching_failures` ends when a failure is recorded
-(megadyn/elastic/watched_store.py), on 2 gloo processes:
+(megadyn/elastic/recovery/watched_store.py), on 2 gloo processes:
 
 - with both processes present, a group is created through the watched store and works;
 - rank 1 stays away from the next group's creation and, 0.5 s later, "records its failure" (a key
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core import c10d_compat
-from megadyn.elastic.watched_store import PeerGone, WatchedStore, _Watch, watching_failures
+from megadyn.elastic.recovery.watched_store import PeerGone, WatchedStore, _Watch, watching_failures
 from megadyn.testing import spawn
 
 

@@ -14,8 +14,8 @@ import pytest
 from megadyn.core.layout import Layout
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.data.token_budget import split_by_weight
-from megadyn.elastic.layout_planner import memory_gib
-from megadyn.elastic.length_planner import plan_length_groups
+from megadyn.elastic.planning.layouts import memory_gib
+from megadyn.elastic.planning.lengths import plan_length_groups
 from megadyn.models.config import GPTConfig
 from megadyn.testing import spawn
 from megadyn.testing.corpus import write_corpus

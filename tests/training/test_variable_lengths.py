@@ -110,7 +110,7 @@ def test_what_cannot_run_is_refused_by_name(extra, message):
 
 def test_the_layout_planner_keeps_one_stage_and_no_cp():
     from megadyn.core.layout import Layout, LayoutError
-    from megadyn.elastic.requests import check_layout, plan_layout
+    from megadyn.elastic.planning.requests import check_layout, plan_layout
 
     cfg = parse_args(flags("d") + ["--micro-batch-tokens", "64"], world_size=1)
     for members in (2, 4, 8):  # without --sample-per-document: pp 2, pp 4, tp 2 x pp 4

@@ -56,7 +56,7 @@ class FailureFeed(Protocol):
 class Holding:
     """Tensors a survivor kept of one step under a layout that an unfinished recovery left:
     a failure before the first step after a recovery may find them a replica that the
-    recovery's own layout lacks (recovery.py)."""
+    recovery's own layout lacks (recovery/recovery.py)."""
 
     iteration: int
     training: dict

@@ -5,7 +5,7 @@
 
 Every process of the job runs one `ElasticController`. After each training step the members ask
 the leader (the first member) whether to reconfigure; the leader reads drain notices (a process
-got SIGTERM: drain.py) and then operator requests from the control store (tools/elastic_ctl.py)
+got SIGTERM: control/drain.py) and then operator requests from the control store (tools/elastic_ctl.py)
 and answers for all. Standby processes (started by torchrun but outside the layout) wait on the
 next reconfiguration. Layout-free scalars (train state, scheduler, optimizer step) travel in the
 reconfiguration's JSON; tensors move with the reshard plan and executor, straight from process
@@ -23,33 +23,33 @@ import torch.distributed as dist
 
 from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import FailureFeed, PeerFailed, RecoveryError, poll
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.control import NONE, UNCHANGED, ControlChannel
-from megadyn.elastic.drain import Drain, DrainSignal, Stopped
-from megadyn.elastic.events import (
+from megadyn.elastic.control.channel import NONE, UNCHANGED, ControlChannel
+from megadyn.elastic.control.drain import Drain, DrainSignal, Stopped
+from megadyn.elastic.control.events import (
     Event,
     FailureEvent,
     format_event,
     membership_event,
     reconfiguration_event,
 )
-from megadyn.elastic.hetero_job import replicas_of
-from megadyn.elastic.layout_planner import CostModel
-from megadyn.elastic.planner import Plan
-from megadyn.elastic.protocol import ReshardableTrainer
-from megadyn.elastic.records import (
+from megadyn.elastic.control.protocol import ReshardableTrainer
+from megadyn.elastic.control.records import (
     Finish,
     Reconfiguration,
     Request,
     RequestError,
     reconfiguration,
 )
-from megadyn.elastic.recovery import RecoveryContext, recover
-from megadyn.elastic.requests import resolve_drain, resolve_request
-from megadyn.elastic.retired_groups import RetiredGroups
-from megadyn.elastic.rng_handover import publish_rng, restore_rng
-from megadyn.elastic.straggler_action import StragglerAction, resolve_straggler
+from megadyn.elastic.control.straggler_action import StragglerAction, resolve_straggler
+from megadyn.elastic.planning.hetero_job import replicas_of
+from megadyn.elastic.planning.layouts import CostModel
+from megadyn.elastic.planning.requests import resolve_drain, resolve_request
+from megadyn.elastic.recovery.agreement import FailureFeed, PeerFailed, RecoveryError, poll
+from megadyn.elastic.recovery.recovery import RecoveryContext, recover
+from megadyn.elastic.recovery.retired_groups import RetiredGroups
+from megadyn.elastic.recovery.rng_handover import publish_rng, restore_rng
+from megadyn.elastic.reshard.plan import Plan
 from megadyn.elastic.transition import (
     Transition,
     TransitionEnv,
@@ -88,7 +88,7 @@ class ElasticController:
         weights uninitialized: they arrive through the reshard; the caller above this package
         provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM), the
         failure records (`failures`: survivors of a failed process recover in-process,
-        recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
+        recovery/recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
         no replica holds what a dead process held) and `reconnect(rank, host, timeout_s)`
         (the control store hosted anew by process `rank` on `host`, when its host died,
         reached within `timeout_s`)."""
@@ -223,7 +223,7 @@ class ElasticController:
 
     def _straggler_decision(self, trainer: ReshardableTrainer):
         """The verdict's straggler excluded or its replica given fewer micro batches, as a
-        reconfiguration (event "straggler", straggler_action.py); None when there is none."""
+        reconfiguration (event "straggler", control/straggler_action.py); None when there is none."""
 
         def resolve(scores):
             self._calibrate(trainer)
@@ -232,7 +232,7 @@ class ElasticController:
 
         return self.stragglers.decide(trainer, self.channel, resolve, self.epoch + 1)
 
-    # --- failures: the survivors stay up (recovery.py) ----------------------------------------
+    # --- failures: the survivors stay up (recovery/recovery.py) ----------------------------------------
     def check_failures(self) -> None:
         """Raise PeerFailed when a member of the layout was recorded dead; a dead standby
         process only leaves the live set."""
@@ -260,7 +260,7 @@ class ElasticController:
         return poll(member_failed, timeout_s) is not None
 
     def recover(self, trainer: ReshardableTrainer | None) -> ReshardableTrainer | None:
-        """The survivors' recovery (recovery.py): the trainer this process runs next, None
+        """The survivors' recovery (recovery/recovery.py): the trainer this process runs next, None
         when it waits as standby."""
         self.retired.join(timeout_s=10.0)  # NCCL's abort ends a shutdown that waits on the dead
         ctx = RecoveryContext(

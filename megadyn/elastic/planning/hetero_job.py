@@ -23,16 +23,16 @@ from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError, RankGrid, canonical_members
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.description import DistOpt, describe
-from megadyn.elastic.hetero_description import describe_hetero
-from megadyn.elastic.hetero_planner import HeteroPlan, HeteroPlanner, grid_or_templates
-from megadyn.elastic.layout_planner import LayoutPlanner
-from megadyn.elastic.requests import (
+from megadyn.elastic.planning.hetero import HeteroPlan, HeteroPlanner, grid_or_templates
+from megadyn.elastic.planning.layouts import LayoutPlanner
+from megadyn.elastic.planning.requests import (
     check_layout,
     device_memory_gib,
     layout_for_remaining,
     validate_for,
 )
+from megadyn.elastic.reshard.description import DistOpt, describe
+from megadyn.elastic.reshard.hetero_description import describe_hetero
 from megadyn.models.config import GPTConfig
 
 

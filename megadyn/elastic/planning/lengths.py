@@ -4,7 +4,7 @@ With variable-length samples the fastest layout depends on the length: short sam
 fastest data-parallel, long ones need tensor parallelism to fit. Over the same processes as
 the job's (base) layout, the planner weighs every layout of tp x dp ranks (pp 1, cp 1, no
 sequence parallelism) for every sample length with the layout planner's models
-(layout_planner.py):
+(planning/layouts.py):
 
 - memory: a layout other than the base holds a copy of the weights and gradients (no
   optimizer); every layout runs beside the base layout's model and optimizer and the other
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from megadyn.core.layout import Layout, LayoutError
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.layout_planner import CostModel, memory_gib
+from megadyn.elastic.planning.layouts import CostModel, memory_gib
 from megadyn.models.config import GPTConfig
 
 

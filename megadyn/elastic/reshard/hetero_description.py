@@ -25,7 +25,7 @@ import torch
 
 from megadyn.core.hetero_layout import HeteroLayout, reduce_part
 from megadyn.core.layout import Layout
-from megadyn.elastic.description import (
+from megadyn.elastic.reshard.description import (
     WORD_EMBEDDING,
     DistOpt,
     HeldPiece,

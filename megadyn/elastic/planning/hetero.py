@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from megadyn.core.hetero_layout import HeteroLayout, Replica
 from megadyn.core.layout import LayoutError
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.layout_planner import Choice, LayoutPlanner
-from megadyn.elastic.templates import PipelineTemplate, StageModel
+from megadyn.elastic.planning.layouts import Choice, LayoutPlanner
+from megadyn.elastic.planning.templates import PipelineTemplate, StageModel
 
 
 def split_microbatches(templates: list[PipelineTemplate], total: int) -> tuple[int, ...]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.description import DistOpt, HeldPiece, StateDescription, describe
-from megadyn.elastic.regions import LocalRegion, flat_segments, intersect
+from megadyn.elastic.reshard.description import DistOpt, HeldPiece, StateDescription, describe
+from megadyn.elastic.reshard.regions import LocalRegion, flat_segments, intersect
 from megadyn.models.config import GPTConfig
 
 

@@ -12,7 +12,7 @@ the output layer of a large vocabulary costs as much as a few layers, so the las
 fewer layers. A stage must fit in memory: 1F1B keeps S - i micro batches of activations alive
 on stage i of S, and the distributed optimizer shards the fp32 state over the replicas.
 
-`StageModel` takes its numbers from the layout planner's own models (layout_planner.py:
+`StageModel` takes its numbers from the layout planner's own models (planning/layouts.py:
 `memory_gib`, `CostModel.step_seconds`) and duplicates none of their terms: both are linear in
 the layer count and the micro batch size, so a 1- and a 2-layer model, at micro batch b and 2b,
 give one layer's time, weights and activations and the ends' (embedding, output layer, logits)
@@ -27,7 +27,7 @@ from functools import cached_property
 
 from megadyn.core.layout import Layout
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.elastic.layout_planner import LayoutPlanner, memory_gib, num_params
+from megadyn.elastic.planning.layouts import LayoutPlanner, memory_gib, num_params
 
 
 @dataclass(frozen=True)

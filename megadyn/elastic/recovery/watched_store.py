@@ -11,7 +11,7 @@ early the agent recorded its death (a survivor of a failure waited 60 s in the r
 group creation for a second survivor that had died 0.1 s after the first; issue 20). Inside
 `watching_failures` the default store is a `WatchedStore`: its blocking waits poll the store
 and `failed()`, and raise PeerGone as soon as `failed()` is true, so the recovery starts its
-agreement over (recovery.py) instead of waiting out the timeout.
+agreement over (recovery/recovery.py) instead of waiting out the timeout.
 
 Groups created inside keep the `WatchedStore` as their store; outside the block it only passes
 calls on (an NCCL communicator's first use, after the block, waits as it would without it).
@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megadyn.core import c10d_compat
-from megadyn.elastic.agreement import poll
+from megadyn.elastic.recovery.agreement import poll
 
 # every WatchedStore made, kept for as long as a group may call it (see the docstring)
 _alive: list[WatchedStore] = []

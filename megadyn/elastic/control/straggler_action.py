@@ -6,12 +6,12 @@
     action.applied(rec, channel)                             # every process, in `apply`
     action.after_step(trainer)                               # members, every step boundary
 
-Every member holds the same verdict (stragglers.py: the scores are all-gathered every
+Every member holds the same verdict (control/stragglers.py: the scores are all-gathered every
 --log-interval), and the leader acts on it at its next decision. Under `exclude` the straggler
 leaves the layout as a drained rank would (`resolve_exclusion`: a standby process takes its
 place in the same layout where one waits, else the others go on under the layout for their
 count), but it does not exit: it waits as a standby process. Under `rebalance` its replica
-keeps its ranks and runs fewer micro batches (straggler_rebalance.py). Either is an event
+keeps its ranks and runs fewer micro batches (planning/straggler_rebalance.py). Either is an event
 "straggler" of the controller's one path (plan, reshard, rebuild). The leader writes what it
 saw to the control store (`straggler/<epoch>`: rank, host, GPU, score, the median step time
 before); after the first log interval under the new layout the last member prints one line,
@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 
 from megadyn.core.hetero_layout import HeteroLayout
-from megadyn.elastic.events import describe_layout, format_event
-from megadyn.elastic.records import Reconfiguration, reconfiguration
-from megadyn.elastic.requests import replace_or_shrink
-from megadyn.elastic.straggler_rebalance import rebalanced_layout
-from megadyn.elastic.stragglers import StragglerScores
+from megadyn.elastic.control.events import describe_layout, format_event
+from megadyn.elastic.control.records import Reconfiguration, reconfiguration
+from megadyn.elastic.control.stragglers import StragglerScores
+from megadyn.elastic.planning.requests import replace_or_shrink
+from megadyn.elastic.planning.straggler_rebalance import rebalanced_layout
 
 EVENT = "straggler"
 """The Reconfiguration's event of an action on a straggler."""
@@ -134,7 +134,7 @@ def resolve_straggler(scores: StragglerScores, model_cfg, cfg, groups, live, cos
 def resolve_exclusion(rank: int, model_cfg, cfg, groups, live: list[int], cost=None):
     """(layout, members) without member `rank`, which stays as a standby process: the first
     other standby process takes its place in the same layout, else the other members go on
-    under the layout for their count (requests.py `replace_or_shrink`; LayoutError to
+    under the layout for their count (planning/requests.py `replace_or_shrink`; LayoutError to
     refuse, below --elastic-min-members say)."""
     members = list(groups.grid.members)
     waiting = [r for r in live if r not in members]

@@ -13,7 +13,7 @@ import io
 import torch
 
 from megadyn.core.layout import Layout
-from megadyn.elastic.protocol import ReshardableTrainer
+from megadyn.elastic.control.protocol import ReshardableTrainer
 
 
 def _key(epoch: int, pp_rank: int, tp_rank: int) -> str:

@@ -8,7 +8,7 @@
 The process that got SIGTERM (megadyn/launch/preemption.py sets a flag, nothing more) writes a
 drain notice naming its rank into the control store's drain queue at its next step boundary
 (a standby process: at its next poll). The leader, whichever process it is, reads the queue
-before the operator requests and resolves the notice like a request (requests.py
+before the operator requests and resolves the notice like a request (planning/requests.py
 `resolve_drain`): a standby process takes the drained member's place in the same layout, else
 the remaining members go on under the layout for their count. The reconfiguration (event
 "drain") releases the drained process, which exits 0; a drained standby process just leaves
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.control import DRAIN_QUEUE, UNCHANGED, ControlChannel
-from megadyn.elastic.records import Request, RequestError, reconfiguration
+from megadyn.elastic.control.channel import DRAIN_QUEUE, UNCHANGED, ControlChannel
+from megadyn.elastic.control.records import Request, RequestError, reconfiguration
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Drain:
         self, trainer, cfg: JobConfig, resolve: Callable, epoch: int, print_fn, recovers=False
     ):
         """The leader's decision on the oldest notice: {"epoch": n} after publishing the
-        drain's reconfiguration `epoch` (`resolve(rank, leaving)`: requests.py resolve_drain,
+        drain's reconfiguration `epoch` (`resolve(rank, leaving)`: planning/requests.py resolve_drain,
         where no rank of another queued notice takes anyone's place), or the refusal's
         decision; None when no notice waits. `recovers`: the survivors of a process that
         ends recover in-process (what the refusal's line says SIGTERM then does)."""

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout
-from megadyn.elastic.planner import Plan
-from megadyn.elastic.records import Reconfiguration
+from megadyn.elastic.control.records import Reconfiguration
+from megadyn.elastic.reshard.plan import Plan
 
 if TYPE_CHECKING:
     from megadyn.elastic.transition import TransitionTimes

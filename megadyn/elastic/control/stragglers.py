@@ -13,7 +13,7 @@ high, the ranks that wait for it do not, since their wait falls into the gradien
 after the backward, not into compute. A step slow for every rank (the first after a live
 change, an evaluation or a checkpoint save) is not measured, and one that is slow for all
 alike scores 1 everywhere. A rank above `threshold` for `intervals` consecutive intervals is
-the straggler; what the job does then is --elastic-straggler-policy's (straggler_action.py).
+the straggler; what the job does then is --elastic-straggler-policy's (control/straggler_action.py).
 This module is pure: no processes, no clocks.
 """
 

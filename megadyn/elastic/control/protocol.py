@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from megadyn.core.groups import ParallelGroups
-from megadyn.elastic.stragglers import StragglerScores
+from megadyn.elastic.control.stragglers import StragglerScores
 from megadyn.models.config import GPTConfig
 
 
@@ -25,7 +25,7 @@ class ReshardableTrainer(Protocol):
     step_seconds: float | None
     """Seconds per step at the last log line (None before one)."""
     straggler_scores: StragglerScores | None
-    """The last log interval's straggler verdict (stragglers.py), None before one or when
+    """The last log interval's straggler verdict (control/stragglers.py), None before one or when
     no straggler reporting is on."""
 
     @property
@@ -36,7 +36,7 @@ class ReshardableTrainer(Protocol):
         ...
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors of training state by global key (description.py)."""
+        """This rank's tensors of training state by global key (reshard/description.py)."""
         ...
 
     def rng_states(self) -> dict[str, torch.Tensor]: ...

@@ -26,10 +26,10 @@ from types import SimpleNamespace
 
 from megadyn.core.hetero_layout import HeteroLayout, layout_from_dict, layout_to_dict
 from megadyn.core.layout import Layout, LayoutError
-from megadyn.elastic.agreement import Report
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.planner import PlanError
-from megadyn.elastic.requests import replace_or_shrink
+from megadyn.elastic.planning.requests import replace_or_shrink
+from megadyn.elastic.recovery.agreement import Report
+from megadyn.elastic.reshard.plan import PlanError
 from megadyn.elastic.transition import Transition, distopt_of, plan_from
 from megadyn.models.config import GPTConfig
 

@@ -2,7 +2,7 @@
 
     request = Request(action="layout", tp=1, pp=2, at_iteration=20)   # tools/elastic_ctl.py
     channel.submit(request)                                 # stores request.to_json()
-    channel.submit(Request(action="drain", rank=2))         # rank 2 got SIGTERM (drain.py)
+    channel.submit(Request(action="drain", rank=2))         # rank 2 got SIGTERM (control/drain.py)
     Request.from_json(text)                                 # the leader; RequestError: refused
 
     rec = Reconfiguration(epoch=1, event="layout", layout=..., members=(0, 1), ...)
@@ -11,7 +11,7 @@
 
 A request is checked when it is made and again when the leader reads it (another tool may have
 written the store), so a malformed one is refused with a reason naming the field; whether its
-layout can run this job is the leader's question (megadyn/elastic/requests.py).
+layout can run this job is the leader's question (megadyn/elastic/planning/requests.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from megadyn.core.hetero_layout import HeteroLayout, layout_from_dict, layout_to
 from megadyn.core.layout import Layout
 
 if TYPE_CHECKING:
-    from megadyn.elastic.protocol import ReshardableTrainer
+    from megadyn.elastic.control.protocol import ReshardableTrainer
 
 ACTIONS = ("layout", "scale", "drain")
 
@@ -50,7 +50,7 @@ class Request:
 
     "layout" takes tp, pp, cp (None: as now), vpp, sp and members or dp (None: as many as now);
     "scale" takes members and leaves the layout to --elastic-layout; "drain" takes the rank
-    that leaves the job (a preemption notice: megadyn/elastic/drain.py).
+    that leaves the job (a preemption notice: megadyn/elastic/control/drain.py).
     """
 
     action: str = "layout"
@@ -77,7 +77,7 @@ class Request:
     """The process that leaves the job (a drain; it exits 0)."""
     sent_by: str | None = None
     """"operator" for a drain that tools/elastic_ctl.py asked for (refused, it changes
-    nothing); None for the notice of a process that got SIGTERM (drain.py)."""
+    nothing); None for the notice of a process that got SIGTERM (control/drain.py)."""
     pipelines: tuple[int, ...] | None = None
     """Stages of each replica of a heterogeneous layout (--heterogeneous-pipelines), e.g.
     (3, 2); tp as given or as now; members follow."""

@@ -18,7 +18,7 @@ import dataclasses
 
 from megadyn.core.hetero_layout import HeteroLayout
 from megadyn.core.layout import Layout, LayoutError, RankGrid
-from megadyn.elastic.stragglers import StragglerScores
+from megadyn.elastic.control.stragglers import StragglerScores
 
 GAIN = 0.95
 """A rebalance must model the step at most this fraction of the current one."""
@@ -26,7 +26,9 @@ GAIN = 0.95
 
 def rebalanced_layout(scores: StragglerScores, model_cfg, cfg, groups) -> HeteroLayout:
     """The current layout's replicas with micro batches split by measured speed."""
-    from megadyn.elastic.hetero_job import pipelines_layout  # it plans with requests.py
+    from megadyn.elastic.planning.hetero_job import (
+        pipelines_layout,  # it plans with planning/requests.py
+    )
 
     layout = groups.layout
     if cfg.parallel.heterogeneous_pipelines is None:

@@ -7,7 +7,7 @@
 Members are kept in order; a scale-in keeps the first members, a scale-out adds standby
 processes in rank order. Under `--elastic-layout pinned` a scale keeps tp, cp, pp and vpp; under
 `auto` the layout planner picks the fastest layout that fits. A drain, like a failure
-(recovery_decision.py), puts the first standby process in the leaving member's place (same
+(recovery/decision.py), puts the first standby process in the leaving member's place (same
 layout), else scales in to the other members (`replace_or_shrink`).
 """
 
@@ -20,8 +20,8 @@ from megadyn.core.layout import Layout, LayoutError, canonical_members
 from megadyn.core.tensor_parallel.fp8 import check_fp8_shapes
 from megadyn.core.tensor_parallel.layers import vocab_range
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.layout_planner import LayoutPlanner, check_cp_heads, memory_gib
-from megadyn.elastic.records import Request
+from megadyn.elastic.control.records import Request
+from megadyn.elastic.planning.layouts import LayoutPlanner, check_cp_heads, memory_gib
 from megadyn.models.config import GPTConfig
 
 
@@ -95,8 +95,8 @@ def _resolve_with_templates(
     cost,
     gpu_memory_gib,
 ):
-    """`resolve_request` for a layout of templates (megadyn/elastic/hetero_job.py)."""
-    from megadyn.elastic import hetero_job  # it plans with this module's checks
+    """`resolve_request` for a layout of templates (megadyn/elastic/planning/hetero_job.py)."""
+    from megadyn.elastic.planning import hetero_job  # it plans with this module's checks
 
     members = list(groups.grid.members)
     standby = [r for r in live if r not in members]
@@ -160,7 +160,7 @@ def replace_or_shrink(
     there are enough of them; else every process left, waiting ones too, runs under the layout
     for their count (`old`: the old groups, or anything with their `layout` and `backend`).
     LayoutError when no layout runs the job."""
-    from megadyn.elastic.hetero_job import layout_for_members, with_ranks_replaced
+    from megadyn.elastic.planning.hetero_job import layout_for_members, with_ranks_replaced
 
     gone = set(leaving)
     lost = [r for r in members if r in gone]

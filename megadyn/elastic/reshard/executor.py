@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megadyn.elastic.planner import Plan, Transfer
-from megadyn.elastic.regions import split_lengths
+from megadyn.elastic.reshard.plan import Plan, Transfer
+from megadyn.elastic.reshard.regions import split_lengths
 
 DEFAULT_ROUND_BYTES = 256 * 2**20
 

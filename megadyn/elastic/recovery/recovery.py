@@ -6,9 +6,9 @@
     -> ABORT   keep this rank's tensors (views, no communication), drop the model, optimizer and
                every process group of the old layout, so the sockets close and every survivor
                still blocked in a collective with this rank raises too (gloo has no abort)
-    -> AGREE   through the agent's store (agreement.py): who is left, the step each survivor's
+    -> AGREE   through the agent's store (recovery/agreement.py): who is left, the step each survivor's
                tensors are at, and one decision by the lowest surviving member
-               (recovery_decision.py)
+               (recovery/decision.py)
     -> PLAN    a waiting standby process takes each dead member's place in the same layout;
                else the layout for the survivors' count (requests.replace_or_shrink), keeping
                the global batch; the reshard plan reads only from survivors whose tensors are
@@ -30,7 +30,7 @@ read from (`Salvaged.earlier`, handed on to the next recovery through `RecoveryC
 that a layout the recovery chose without replicas (the planner's pp 2 over two processes, say)
 does not lose what the layout before it still held twice. Every wait has a deadline
 (`feed.timeout_s`) and watches the failure records: the store polls of the agreement, and the
-creation of the new groups (watched_store.py: their waits for a peer in the store end when a
+creation of the new groups (recovery/watched_store.py: their waits for a peer in the store end when a
 failure is recorded). The move's collectives end when a peer's sockets close (a dead peer, or a
 survivor that aborted its groups to agree again) or after that deadline; the new groups'
 collectives get the job's --distributed-timeout-minutes. A move that fails without a further
@@ -56,7 +56,10 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.core.hetero_groups import HeteroGroups
 from megadyn.core.hetero_layout import layout_to_dict
 from megadyn.core.layout import Layout
-from megadyn.elastic.agreement import (
+from megadyn.elastic.config import JobConfig
+from megadyn.elastic.control.events import FailureEvent, describe_layout
+from megadyn.elastic.planning.hetero_job import stage_and_tp
+from megadyn.elastic.recovery.agreement import (
     FailureFeed,
     Holding,
     RecoveryError,
@@ -64,18 +67,15 @@ from megadyn.elastic.agreement import (
     Round,
     more_failures,
 )
-from megadyn.elastic.config import JobConfig
-from megadyn.elastic.events import FailureEvent, describe_layout
-from megadyn.elastic.hetero_job import stage_and_tp
-from megadyn.elastic.planner import PlanError
-from megadyn.elastic.recovery_decision import (
+from megadyn.elastic.recovery.decision import (
     NoRecovery,
     RecoveryDecision,
     decide,
     decision_from_dict,
 )
+from megadyn.elastic.recovery.watched_store import PeerGone
+from megadyn.elastic.reshard.plan import PlanError
 from megadyn.elastic.transition import TransitionEnv, run_transition
-from megadyn.elastic.watched_store import PeerGone
 from megadyn.models.config import GPTConfig
 
 

@@ -4,19 +4,19 @@ Rank 0 of the job hosts the store on `--elastic-control-port`; `tools/elastic_ct
 process of the job connect to it as clients. Keys:
 
     request/next            id of the next request to write (a counter)
-    request/<id>            JSON of an operator request (records.py `Request`)
+    request/<id>            JSON of an operator request (control/records.py `Request`)
     request/handled         requests the leaders handled so far
     request/taken           id of the request whose reconfiguration runs (until answered: after
                             a failure cuts it short, the leader puts it back in the queue)
     drain/next, drain/<id>, drain/handled, drain/result/<id>
-                            the same for drain notices (a process got SIGTERM: drain.py), a
+                            the same for drain notices (a process got SIGTERM: control/drain.py), a
                             queue of their own so that none waits behind an operator request
                             whose --at-iteration is still ahead
     decision/<iteration>    the leader's decision for the step boundary after <iteration>:
                             JSON {"epoch": n} or "none"
-    epoch/<n>               JSON of reconfiguration n (records.py `Reconfiguration`, or `Finish`
+    epoch/<n>               JSON of reconfiguration n (control/records.py `Reconfiguration`, or `Finish`
                             at the end; standby processes wait on the next epoch's key)
-    rng/<n>/pp<p>/tp<t>     RNG streams handed over in reconfiguration n (rng_handover.py)
+    rng/<n>/pp<p>/tp<t>     RNG streams handed over in reconfiguration n (recovery/rng_handover.py)
     result/<id>             JSON: {"status": "done"|"refused", "reason": ..., "then": ...,
                             "layout": ...} ("then": what the job does after a refusal)
     state                   JSON the job publishes for `elastic_ctl.py show`
@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megadyn.elastic.records import Finish, Reconfiguration, Request, epoch_record
+from megadyn.elastic.control.records import Finish, Reconfiguration, Request, epoch_record
 
 NONE = "none"
 UNCHANGED = "the job goes on unchanged"
@@ -172,7 +172,7 @@ class ControlChannel:
     # --- follower side -----------------------------------------------------------------------
     def decision(self, iteration: int, interrupt=None):
         """Block until the leader decided for `iteration`; `interrupt()` runs while it waits
-        (it raises to stop waiting: a peer died, recovery.py)."""
+        (it raises to stop waiting: a peer died, recovery/recovery.py)."""
         key = f"decision/{iteration}"
         if interrupt is not None:
             delay = 0.0005
@@ -199,7 +199,7 @@ class ControlChannel:
 
 
 DRAIN_QUEUE = "drain"
-"""The control store's queue of drain notices (megadyn/elastic/drain.py)."""
+"""The control store's queue of drain notices (megadyn/elastic/control/drain.py)."""
 
 
 def queue_of(request: Request) -> str:
