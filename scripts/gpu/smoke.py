@@ -89,7 +89,10 @@ def provenance() -> dict:
     if tree is None:
         out["megadyn_tree"] = report.git_tree_hash(REPO / "megadyn")
         out["megadyn_tree_from"] = "files"
-    dirty = git("status", "--porcelain", "--", "megadyn")
+    if os.environ.get("GATE_TREE"):  # the files must be that tree (the copy's .git may be old)
+        dirty = report.git_tree_hash(REPO / "megadyn") != out["megadyn_tree"]
+    else:
+        dirty = bool(git("status", "--porcelain", "--", "megadyn"))
     if dirty:
         out["megadyn_dirty"] = True
     return out
