@@ -146,9 +146,11 @@ def _head(rec: Reconfiguration) -> dict:
     }
 
 
-def format_event(event: Event) -> str:
-    """The log line of an event (tools/plot_run.py reads it)."""
-    return " elastic: " + " | ".join(f"{k}: {v}" for k, v in event.to_dict().items())
+def format_event(event: Event | dict) -> str:
+    """The log line of an event, or of a straggler action's fields (tools/plot_run.py reads
+    them)."""
+    fields = event if isinstance(event, dict) else event.to_dict()
+    return " elastic: " + " | ".join(f"{k}: {v}" for k, v in fields.items())
 
 
 def describe_layout(layout: Layout | HeteroLayout) -> str:
