@@ -124,11 +124,12 @@ def test_a_hung_worker_on_another_host_is_killed_by_its_own_agent(tmp_path, refe
     flags = ["--elastic-heartbeat-timeout", "10"]
     codes, log, out = two_hosts(tmp_path, flags, at_iteration(5, stop_rank_3))
     assert codes == [0, 0], (codes, log[-3000:])
-    assert "rank 3 (b, pid" in log and "asked its host's agent to kill it" in log, log[-3000:]
-    # rank 2 (host b) watches it too and may kill it first; else host b's agent does
-    assert ("megadyn.launch: killed rank 3 (pid" in log and "at a watcher's request" in log) or (
-        "watchdog: rank 2: rank 3 (b, pid" in log and "killed it (same host)" in log
-    ), log[-3000:]
+    # its watchers on host a ask host b's agent to kill it, and host b's agent does; rank 2 (on
+    # host b) watches it too and may kill it first, the others then no longer wait for it (the
+    # agent's side of a request alone: tests/launch/test_hosts.py)
+    asked = "asked its host's agent to kill it" in log and "at a watcher's request" in log
+    same_host = "watchdog: rank 2: rank 3 (b, pid" in log and "killed it (same host)" in log
+    assert "rank 3 (b, pid" in log and (asked or same_host), log[-3000:]
     ((it, old, new, left, *_),) = recoveries(log)
     assert (old, left) == ("tp2xpp1xdp2", "3"), log[-3000:]
     check_losses(log, reference)
