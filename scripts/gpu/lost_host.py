@@ -18,25 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-ITERATION = re.compile(r"iteration\s+(\d+)/")
+from megadyn.bench.recovery import ITERATION, children
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def workers_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return sorted(int(x) for x in out.split())
 
 
 def rank_of(pid: int) -> int | None:
@@ -92,8 +86,8 @@ def main() -> None:
             m = ITERATION.search(line)
             if m and killed_at is None and int(m.group(1)) >= a.kill_after:
                 last = int(m.group(1))
-                lost = next(g for g in agents if 0 in map(rank_of, workers_of(g.pid)))
-                for pid in [lost.pid, *workers_of(lost.pid)]:
+                lost = next(g for g in agents if 0 in map(rank_of, children(g.pid)))
+                for pid in [lost.pid, *children(lost.pid)]:
                     os.kill(pid, signal.SIGKILL)
                 killed_at = time.monotonic()
             elif m and killed_at is not None:
