@@ -27,14 +27,14 @@ from megadyn.elastic.control.controller import ElasticController, Released
 from megadyn.elastic.control.drain import DrainSignal, Stopped
 from megadyn.elastic.planning.hetero_job import build_groups, job_members
 from megadyn.elastic.recovery.agreement import PeerFailed, RecoveryError
-from megadyn.launch import fork_server, preemption, startup, torchrun_env
+from megadyn.launch import determinism, fork_server, preemption, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.launch.failure_watch import FailureWatch
 from megadyn.launch.replan import config_for_world
 from megadyn.launch.result import RunResult
 from megadyn.launch.snapshot_keeper import SnapshotKeeper, resume, resume_snapshot
 from megadyn.launch.watchdog import Watchdog
-from megadyn.training.arguments import distributed_timeout, ignored_vocab_size
+from megadyn.training.arguments import deterministic_mode, distributed_timeout, ignored_vocab_size
 from megadyn.training.config import MegadynConfig
 from megadyn.training.hetero_config import first_layout
 from megadyn.training.state import TrainingState
@@ -61,8 +61,11 @@ def main(argv: list[str] | None = None) -> RunResult:
     # cross entropy's kernels, imported while the process group comes up and the model is built
     kernels = ["triton"] if torch.cuda.is_available() else []
     startup.import_beside("torch.distributed.checkpoint", *kernels)
+    deterministic = determinism.enable() if deterministic_mode(argv) else None
     device = init_distributed(distributed_timeout(argv))
     startup.mark("process group")
+    if deterministic and dist.get_rank() == 0:
+        print(deterministic, flush=True)
     world = dist.get_world_size()
     if "--default-job" in argv:
         from megadyn.training.default_job import default_job_argv

@@ -188,6 +188,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     t("--eval-iters", type=int)
     t("--exit-interval", type=int)
     t("--seed", type=int)
+    t("--deterministic-mode", action="store_true")
     t("--enable-cuda-graph", action="store_true")
     t("--cuda-graph-warmup-steps", type=int)
     r = _Group(p, "activation recomputation", "recompute", RecomputeConfig)
@@ -277,16 +278,26 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     lg("--straggler-intervals", type=int)
 
 
-def distributed_timeout(argv: Sequence[str]) -> timedelta:
-    """--distributed-timeout-minutes of a command line, read before torch.distributed starts
-    (the full parse needs the world size)."""
+def _early_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """The flags read before torch.distributed starts (the full parse needs the world size)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     p.add_argument("--distributed-timeout-minutes", type=int, default=None)
+    p.add_argument("--deterministic-mode", action="store_true")
     try:
-        minutes = p.parse_known_args(argv)[0].distributed_timeout_minutes
+        return p.parse_known_args(argv)[0]
     except argparse.ArgumentError:  # parse_args reports it, naming the flag
-        minutes = None
+        return argparse.Namespace(distributed_timeout_minutes=None, deterministic_mode=False)
+
+
+def distributed_timeout(argv: Sequence[str]) -> timedelta:
+    """--distributed-timeout-minutes of a command line."""
+    minutes = _early_flags(argv).distributed_timeout_minutes
     return timedelta(minutes=max(1, minutes or ParallelConfig.distributed_timeout_minutes))
+
+
+def deterministic_mode(argv: Sequence[str]) -> bool:
+    """--deterministic-mode of a command line: it must act before the process group starts."""
+    return _early_flags(argv).deterministic_mode
 
 
 def parse_args(argv: Sequence[str] | None, world_size: int) -> MegadynConfig:

@@ -159,6 +159,10 @@ class TrainingConfig:
     """Exit after an iteration divisible by this (--exit-interval)."""
     seed: int = 1234
     """Seed of initialization, dropout and data order (--seed)."""
+    deterministic_mode: bool = False
+    """Bit-equal losses run after run on the same GPUs: torch's deterministic algorithms (the
+    attention backward without atomics), a fixed cuBLAS workspace, no NVLS in NCCL; slower
+    (--deterministic-mode; megadyn/launch/determinism.py)."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """Activation recomputation (--recompute-granularity, --recompute-method,
     --recompute-num-layers)."""

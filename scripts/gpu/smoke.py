@@ -40,7 +40,7 @@ steps in ~0.35 s); about 6.5 minutes in all, 8 at most:
                               the coordinator a third process): the host of rank 0 (agent and
                               worker) SIGKILLed after 8, losses against the run above
   --- then 3 at a time (~150 s for these nine) ---
-  cuda_graph_tp2        ~30   eager and --enable-cuda-graph side by side, tp 2, 8 steps
+  cuda_graph_tp2        ~30   eager and --enable-cuda-graph side by side, tp 2, 8 steps, --deterministic-mode
   sigterm_drain         ~30   small model dp 2, SIGTERM to rank 1 after 10 of 100 steps
   cp2_a2a_docmask       ~40   cp 1 (1 GPU) beside cp 2 a2a, document masks, seq 4096, 10 steps
   cp2_p2p_docmask       ~30   cp 2 p2p (the cp 1 run shared with the check above)

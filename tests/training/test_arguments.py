@@ -24,7 +24,7 @@ FLAGS = [
     "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
     "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion",
-    "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path",
+    "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path", "--deterministic-mode",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-recovery", "--exit-signal-handler", "--elastic-min-members", "--elastic-reshard-chunk-mb",
     "--elastic-snapshot-dir", "--elastic-snapshot-interval", "--elastic-straggler-policy", "--end-weight-decay", "--eval-interval", "--eval-iters",

@@ -175,3 +175,25 @@ def test_recomputation_in_bf16_trains_like_no_recomputation():
     full = ("--recompute-granularity", "full", "--recompute-method", "uniform")
     close(train(2, *bf16, *full, "--recompute-num-layers", "1"), plain)
     close(train(2, *bf16, "--recompute-granularity", "selective"), plain)
+
+
+def test_deterministic_mode_switches_torch_and_keeps_the_losses(single, capfd):
+    """--deterministic-mode turns torch's deterministic algorithms on (warn_only=False: the
+    attention backward then takes its kernel without atomics) and says so in one line; on the
+    CPU, already deterministic, the losses are the run's without it, bit for bit."""
+    results = spawn(_deterministic_run, world=1, args=(COMMON + ["--deterministic-mode"],))
+    enabled, warn_only, history = results[0]
+    assert (enabled, warn_only) == (True, False)
+    assert history == single
+    assert "deterministic mode: torch.use_deterministic_algorithms(True)" in capfd.readouterr().out
+
+
+def _deterministic_run(rank, world, argv):
+    import torch
+
+    history = run_pretrain(rank, world, argv).history
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    return (*flags, history)
