@@ -48,6 +48,30 @@ def test_table_has_one_row_per_check_and_counts_passes():
     assert table.rstrip().endswith("1 of 2 checks passed")
 
 
+def test_a_check_not_run_is_neither_pass_nor_failure():
+    """On one GPU the checks that need two are listed as not run; the line passes when every
+    check that ran passed, and never when none ran."""
+    rows = [CheckResult("fp8_1gpu", True, 0.004), report.not_run("live_change", 2, 1)]
+    table = report.render_table(rows)
+    assert "| live_change | not run | - | - | needs 2 GPUs, the machine has 1 |" in table
+    assert table.rstrip().endswith("1 of 1 checks passed; 1 not run on this machine")
+    device = {"name": H100, "count": 1}
+    record = report.build_record(rows, date="d", commit="c", megadyn_tree="t", device=device)
+    assert record["passed"] is True
+    assert record["checks"][1] == {
+        "name": "live_change",
+        "not_run": "needs 2 GPUs, the machine has 1",
+    }
+    failed = [CheckResult("fp8_1gpu", False, 0.5, "over")] + rows[1:]
+    assert not report.build_record(failed, date="d", commit="c", megadyn_tree="t", device=device)[
+        "passed"
+    ]
+    alone = rows[1:]
+    assert not report.build_record(alone, date="d", commit="c", megadyn_tree="t", device=device)[
+        "passed"
+    ]
+
+
 def test_record_line_has_the_fields_and_parses_as_strict_json():
     rows = [
         CheckResult("fp8", True, 0.004, extra={"bf16_tokens_per_s": 1e5}),

@@ -150,6 +150,8 @@ class Gate:
     def __init__(self, checks: dict, out: Path, work: Path, budget_s: float, models, device: dict):
         self.checks, self.out, self.work = checks, out, work
         self.models, self.device = models, device
+        self.width = 1 if device["count"] == 1 else 2
+        """Processes of a multi-process check: 2, or 1 on a machine of one GPU."""
         self.end = time.monotonic() + budget_s
         self.shared: dict[str, Proc] = {}
         self.procs: list[Proc] = []  # every check's, for kill_all
@@ -193,6 +195,7 @@ class Check:
 
     def __init__(self, gate: Gate, name: str, timeout: float):
         self.gate, self.name, self.models = gate, name, gate.models
+        self.width = gate.width
         self.work = gate.work / name
         self.work.mkdir(parents=True, exist_ok=True)
         self.deadline = min(time.monotonic() + timeout, gate.end)
