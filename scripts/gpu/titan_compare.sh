@@ -58,7 +58,9 @@ if [ "$DRY_RUN" = 1 ]; then NGPU=2 TT_OK=1; else
     echo "harness: $TITAN_DIR"
   } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
-  PYTHONPATH=/tmp/site:$TITAN_DIR python3 -c "import torchtitan, torchao, titan_bench" 2> /dev/null && TT_OK=${TT_OK:-1} || TT_OK=${TT_OK:-0}
+  # titan_bench imports torchtitan's llama3 package, which needs tt_shim's stand-in `datasets`
+  PYTHONPATH=/tmp/site:$TITAN_DIR:$TITAN_DIR/tt_shim python3 -c "import torchtitan, torchao, titan_bench" >> "$OUT/env.txt" 2>&1 \
+    && TT_OK=${TT_OK:-1} || TT_OK=${TT_OK:-0}
   NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())" 2> /dev/null || echo 0)}
 fi
 
