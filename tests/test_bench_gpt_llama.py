@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megadyn.bench.gpt import job_config, parse_args
+from megadyn.bench.gpt_model import model_record
 from megadyn.testing import free_port
 from megadyn.training.arguments import parse_config
 
@@ -42,6 +43,14 @@ def test_the_llama_flags_build_pretrain_gpts_model():
     assert (bench.position_embedding_type, bench.rotary_base, bench.add_bias_linear) == (
         "rope", 500000.0, False,
     )  # fmt: skip
+
+
+def test_the_pointwise_fusion_flags_reach_the_model_and_the_record():
+    a = parse_args((SHAPE + " " + LLAMA + " --pointwise-fusion --no-rope-fusion").split())
+    model = job_config(a).model
+    assert model.pointwise_fusion and not model.apply_rope_fusion and model.bias_swiglu_fusion
+    assert model_record(a)["pointwise_fusion"] == "norm+swiglu+residual"
+    assert model_record(parse_args((SHAPE + " " + LLAMA).split()))["pointwise_fusion"] is None
 
 
 def test_groups_without_grouped_query_attention_are_refused(capsys):

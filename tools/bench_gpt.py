@@ -6,7 +6,9 @@ Megatron-Core reference script prints it (same arguments, same fields, same FLOP
 
 Llama-style models take pretrain_gpt.py's architecture flags (megadyn/bench/gpt_model.py):
 --swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 500000
---disable-bias-linear --group-query-attention --num-query-groups 8 --ffn-hidden-size 8192.
+--disable-bias-linear --group-query-attention --num-query-groups 8 --ffn-hidden-size 8192;
+--pointwise-fusion compiles the blocks' norms, residual adds, SwiGLU and RoPE (--no-norm-fusion,
+--no-bias-swiglu-fusion, --no-rope-fusion, --no-bias-dropout-fusion take one part back).
 Random tokens, bf16 weights with fp32 main weights, the distributed optimizer, untied
 embeddings, no dropout: the configuration of the reference script. The step timed is the
 trainer's own (`Trainer.train_step`, built as pretrain_gpt.py builds it). Timing is the median

@@ -336,6 +336,7 @@ def profile(a, step, sync) -> None:
     if a.tp_comm_overlap:
         name += "_overlap" + ("_ce" if a.tp_comm_overlap_transport == "copy-engine" else "")
     name += "_graph" if a.cuda_graph else ""
+    name += "_pointwise" if a.pointwise_fusion else ""
     name += f"_fp8_{a.fp8_format}_{a.fp8_recipe}" if a.fp8_format else ""
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     with open(os.path.join(a.profile, f"{name}.txt"), "w") as f:

@@ -22,8 +22,17 @@ import argparse
 
 from megadyn.models import GPTConfig
 from megadyn.models.flops import model_flops_per_iteration
+from megadyn.models.pointwise import Fusions
 from megadyn.models.sharding import num_params
 from megadyn.training.arguments import ConfigError, parse_config
+
+PART_FLAGS = (
+    "--no-norm-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+    "--no-bias-dropout-fusion",
+)
+"""pretrain_gpt.py's switches of --pointwise-fusion's parts, passed through as given."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +67,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="key/value heads under --group-query-attention",
     )
+    g.add_argument(
+        "--pointwise-fusion",
+        action="store_true",
+        help="norms, residual adds, SwiGLU and RoPE through torch.compile (CUDA)",
+    )
+    for flag in PART_FLAGS:
+        g.add_argument(flag, action="store_true", help="under --pointwise-fusion: that part eager")
     g.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",
@@ -111,9 +127,15 @@ def pretrain_argv(a: argparse.Namespace) -> list[str]:
         ("--no-gradient-accumulation-fusion", a.no_grad_accumulation_fusion),
         ("--cross-entropy-loss-fusion", a.fused_loss == "on"),
         ("--no-cross-entropy-loss-fusion", a.fused_loss == "off"),
+        ("--pointwise-fusion", a.pointwise_fusion),
+        *((flag, getattr(a, _dest(flag))) for flag in PART_FLAGS),
     ):
         argv += [flag] if on else []
     return [str(x) for x in argv]
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def model_config(a: argparse.Namespace) -> GPTConfig:
@@ -128,12 +150,14 @@ def architecture(cfg: GPTConfig) -> str:
 
 
 def model_record(a: argparse.Namespace) -> dict:
-    """The model's fields of the JSON record: its shape beyond the reference fields, its
-    parameter count and its FLOPs per iteration (models/flops.py; the vocabulary as one rank
-    pads it, as the reference script counts)."""
+    """The model's fields of the JSON record: its shape beyond the reference fields, the
+    regions --pointwise-fusion compiles ('norm+swiglu+rope+residual', None without it; on
+    CUDA), its parameter count and its FLOPs per iteration (models/flops.py; the vocabulary
+    as one rank pads it, as the reference script counts)."""
     cfg = model_config(a)
     return dict(
         arch=architecture(cfg),
+        pointwise_fusion=Fusions.from_config(cfg).label,
         heads=cfg.num_attention_heads,
         query_groups=cfg.query_groups,
         ffn=cfg.ffn_size,

@@ -78,6 +78,23 @@ class GPTConfig:
     fused_loss: bool | None = None
     """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
     when the logits are on a GPU (the math is the same; eager on the CPU)."""
+    pointwise_fusion: bool = False
+    """The transformer blocks' pointwise work through torch.compile's Triton kernels on CUDA
+    (--pointwise-fusion): the norms, the residual add (with the hidden dropout) joined to the
+    pre-MLP norm, SwiGLU and the rotary embeddings of queries and keys, each one compiled
+    region (models/pointwise.py; eager on the CPU). The four switches below take one part
+    back to the plain path; without this flag they change nothing."""
+    norm_fusion: bool = True
+    """Under --pointwise-fusion: RMSNorm / LayerNorm compiled (--no-norm-fusion: eager)."""
+    bias_swiglu_fusion: bool = True
+    """Under --pointwise-fusion: silu(gate) * up compiled, keeping only fc1's output for the
+    backward (--no-bias-swiglu-fusion: eager)."""
+    apply_rope_fusion: bool = True
+    """Under --pointwise-fusion: the rotary embeddings of queries and keys compiled
+    (--no-rope-fusion: eager)."""
+    bias_dropout_fusion: bool = True
+    """Under --pointwise-fusion: the residual adds with their hidden dropout compiled, the
+    attention's joined to the pre-MLP norm (--no-bias-dropout-fusion: eager)."""
     attention_backend: str = "auto"
     """Kernel of the attention (--attention-backend, Megatron's names): 'flash' (torch's flash
     kernel), 'fused' (cuDNN's fused attention), 'unfused' or 'local' (plain math), 'auto'

@@ -2,7 +2,9 @@
 
 Activations are [s, b, h] ([s/tp, b, h] between tensor-parallel regions under sequence
 parallelism). One class serves the GPT-2 block (LayerNorm, GeLU, learned positions, biases)
-and the Llama block (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases).
+and the Llama block (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases). Its pointwise
+parts (norms, residual adds with their dropout, SwiGLU, RoPE) are pointwise.py's functions,
+compiled under --pointwise-fusion.
 
 The fused QKV weight is laid out per query group, [ng, (np/ng + 2) * d, h]: queries of the
 group, then its key, then its value, so a split along dim 0 gives each tp rank whole groups.
@@ -34,6 +36,7 @@ from megadyn.core.tensor_parallel import (
 from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
 from megadyn.models.document_attention import DocumentMask, document_attention
+from megadyn.models.pointwise import Fusions, add_norm, dropout_add, norm, rope_qk, swiglu
 from megadyn.models.qkv_split import split_qkv
 
 
@@ -43,6 +46,7 @@ class Norm(nn.Module):
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool, dtype, device):
         super().__init__()
         self.kind, self.eps = cfg.normalization, cfg.norm_epsilon
+        self.fusions = Fusions.from_config(cfg)
         h = cfg.hidden_size
         self.weight = mark_param(
             nn.Parameter(torch.empty(h, dtype=dtype, device=device)), -1, sequence_parallel
@@ -54,9 +58,7 @@ class Norm(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "LayerNorm":
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return self.fusions(self.fusions.norm, norm, x)(x, self.weight, self.bias, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positions=None):
@@ -73,13 +75,6 @@ def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positio
     if emb.dim() == 3:
         emb = emb.unsqueeze(1)  # [b, 1, s, d]: broadcast over heads
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, n, s, d]; cos, sin [s, d] or [b, 1, s, d]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
 
 
 class SelfAttention(nn.Module):
@@ -100,6 +95,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp = group_size(tp_group)
         self.cfg, self.tracker = cfg, tracker
+        self.fusions = Fusions.from_config(cfg)
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.heads = cfg.num_attention_heads // tp  # query heads on this rank
         self.groups = cfg.query_groups // tp  # key/value heads on this rank
@@ -171,7 +167,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.reshape(s, b, self.heads, d), k.squeeze(3), v.squeeze(3)  # k, v [s, b, g, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self.fusions(self.fusions.rope, rope_qk, q)(q, k, *rope)
         if recompute_core and torch.is_grad_enabled():
             out = recompute(self.core_attention, q, k, v, documents, tracker=self.tracker)
         else:
@@ -184,6 +180,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, dtype, device):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.fusions = Fusions.from_config(cfg)
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         tp = group_size(tp_group)
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
@@ -209,8 +206,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
         if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = self.fusions(self.fusions.swiglu, swiglu, y)(y)
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)
@@ -232,6 +228,7 @@ class TransformerLayer(nn.Module):
         self.cfg, self.tracker = cfg, tracker
         self.sequence_parallel = sequence_parallel
         self.recompute_core = recompute_cfg.selective
+        self.fusions = Fusions.from_config(cfg)
         self.input_layernorm = Norm(cfg, sequence_parallel, dtype, device)
         self.self_attention = SelfAttention(
             cfg, tp_group, sequence_parallel, tracker, dtype, device, cp_group
@@ -245,10 +242,36 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope=None, documents=None) -> torch.Tensor:
-        x = x + self.dropout(
-            self.self_attention(self.input_layernorm(x), rope, self.recompute_core, documents)
-        )
-        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        y = self.self_attention(self.input_layernorm(x), rope, self.recompute_core, documents)
+        x, h = self.add_norm(x, y)
+        return self.residual_add(x, self.mlp(h))
+
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + dropout(y) and its pre-MLP norm: one compiled region when both fuse."""
+        if not (self.fusions.residual and self.fusions.norm):
+            x = self.residual_add(x, y)
+            return x, self.pre_mlp_layernorm(x)
+        n, p = self.pre_mlp_layernorm, self.dropout_p
+        with self.dropout_rng(p):
+            return self.fusions(True, add_norm, x)(x, y, n.weight, n.bias, n.eps, p)
+
+    def residual_add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + dropout(y), compiled under the residual fusion when there is a dropout."""
+        p = self.dropout_p
+        if not (self.fusions.residual and p > 0.0):
+            return x + self.dropout(y)
+        with self.dropout_rng(p):
+            return self.fusions(True, dropout_add, x)(x, y, p)
+
+    @property
+    def dropout_p(self) -> float:
+        return self.cfg.hidden_dropout if self.training else 0.0
+
+    def dropout_rng(self, p: float):
+        """hidden_dropout's generator: the tracker's per-rank stream under sequence parallelism."""
+        if p > 0.0 and self.sequence_parallel and self.tracker is not None:
+            return self.tracker.fork()
+        return contextlib.nullcontext()
 
 
 def hidden_dropout(x, p: float, training: bool, sequence_parallel: bool, tracker) -> torch.Tensor:

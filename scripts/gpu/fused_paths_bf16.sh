@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: the loss of megadyn's fast paths against the plain path, bf16, same seed and
 # data. Reference: flash attention, weight gradients through param.grad, eager cross entropy.
-# With 2 GPUs or more also: tp2 and tp2 + sequence parallel (fast paths), and dp2 with
-# --overlap-param-gather (bit-equal to dp2 without it when the params arrive in time).
+# Ablations (ABLATIONS=0 skips them): one fast path at a time, and a Llama block with and without
+# --pointwise-fusion. With 2 GPUs or more also: tp2 and tp2 + sequence parallel (fast paths),
+# and dp2 with --overlap-param-gather (bit-equal to dp2 without it when the params arrive in
+# time).
 # Usage: bash scripts/gpu/fused_paths_bf16.sh OUTDIR
 set -uo pipefail
 OUT=${1:-/tmp/megadyn_fused}; mkdir -p "$OUT"
@@ -28,6 +30,11 @@ if [ "${ABLATIONS:-1}" = 1 ]; then  # one switch at a time (ABLATIONS=0 skips th
   run wgrad_fusion 1 --attention-backend flash --no-cross-entropy-loss-fusion
   run fused_loss 1 --attention-backend flash --no-gradient-accumulation-fusion
   logs+=(cudnn_attention.jsonl wgrad_fusion.jsonl fused_loss.jsonl)
+  # --pointwise-fusion (torch.compile'd norms, residual adds, SwiGLU, RoPE) on the Llama block
+  LLAMA=(--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
+    --group-query-attention --num-query-groups 4 --untie-embeddings-and-output-weights)
+  run llama_plain 1 "${LLAMA[@]}" "${PLAIN[@]}"
+  run llama_pointwise 1 "${LLAMA[@]}" "${PLAIN[@]}" --pointwise-fusion
 fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   run tp2 2 --tensor-model-parallel-size 2
@@ -39,3 +46,4 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 cd "$OUT" && python3 "$OLDPWD/tools/compare_losses.py" "${logs[@]}"
 [ -f dp2_plain.jsonl ] && python3 "$OLDPWD/tools/compare_losses.py" dp2_plain.jsonl dp2_param_overlap.jsonl
+[ -f llama_plain.jsonl ] && python3 "$OLDPWD/tools/compare_losses.py" llama_plain.jsonl llama_pointwise.jsonl

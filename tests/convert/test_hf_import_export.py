@@ -159,7 +159,8 @@ def test_rope_equals_transformers_rotate_half():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from megadyn.models.transformer import apply_rope, rope_tables
+    from megadyn.models.pointwise import apply_rope
+    from megadyn.models.transformer import rope_tables
 
     b, n, s, d = 2, 3, 7, 16
     q, k = torch.randn(b, n, s, d), torch.randn(b, n, s, d)

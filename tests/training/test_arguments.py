@@ -23,7 +23,8 @@ FLAGS = [
     "--cp-placement",
     "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
     "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
-    "--no-gradient-accumulation-fusion",
+    "--no-gradient-accumulation-fusion", "--pointwise-fusion", "--no-norm-fusion",
+    "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-bias-dropout-fusion",
     "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path", "--deterministic-mode",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-recovery", "--exit-signal-handler", "--elastic-min-members", "--elastic-reshard-chunk-mb",
@@ -131,6 +132,18 @@ def test_megatron_style_command():
             ),
         ),
         ("--cross-entropy-loss-fusion", dict(fused_loss=True)),
+        ("", dict(pointwise_fusion=False, norm_fusion=True, apply_rope_fusion=True)),
+        (
+            "--pointwise-fusion --no-norm-fusion --no-bias-swiglu-fusion --no-rope-fusion "
+            "--no-bias-dropout-fusion",
+            dict(
+                pointwise_fusion=True,
+                norm_fusion=False,
+                bias_swiglu_fusion=False,
+                apply_rope_fusion=False,
+                bias_dropout_fusion=False,
+            ),
+        ),
     ],
 )
 def test_kernel_switches_reach_the_model(extra, fields):

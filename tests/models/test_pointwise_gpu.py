@@ -1,0 +1,101 @@
+"""--pointwise-fusion on a GPU (inductor's Triton kernels): each region in bf16 follows its
+plain function in fp32, a bf16 Llama step follows the plain step, and a step captured as a
+CUDA graph after eager warm-up steps compiles nothing more and replays the eager fused
+step's losses. Skipped without CUDA."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._inductor.compile_fx import compile_fx
+
+from megadyn.core.pipeline import MicroBatchGraph
+from megadyn.models import GPTModel, init_chunk, lm_loss
+from megadyn.models.pointwise import Fusions
+from tests.models.test_pointwise import LLAMA, cases, outputs_and_grads, with_backend
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def rel_error(a, e) -> float:
+    return ((a.float() - e.float()).norm() / e.float().norm().clamp(min=1e-12)).item()
+
+
+def on_cuda(args, dtype):
+    """The arguments as new CUDA leaves of `dtype` (RoPE's views of QKV become leaves)."""
+    return [
+        a.detach().cuda().to(dtype).requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+        for a in args
+    ]
+
+
+def test_each_region_in_bf16_follows_fp32():
+    torch._dynamo.reset()
+    inductor = Fusions()  # no backend: inductor for CUDA tensors
+    for name, fn, _, args in cases(torch.float32):
+        ref_args, args = on_cuda(args, torch.float32), on_cuda(args, torch.bfloat16)
+        ref_leaves = [a for a in ref_args if torch.is_tensor(a) and a.requires_grad]
+        leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        want, want_grads, _ = outputs_and_grads(fn, ref_leaves, ref_args)
+        got, got_grads, _ = outputs_and_grads(inductor(True, fn, args[0]), leaves, args)
+        for a, e in zip(got + got_grads, want + want_grads):
+            assert a.dtype == torch.bfloat16 and rel_error(a, e) < 1e-2, name
+
+
+def llama_step(cfg, tokens, labels):
+    torch.manual_seed(5)
+    model = GPTModel(cfg, device="cuda")
+    init_chunk(model, 1)
+    loss = model(tokens, labels=labels).float().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def test_a_bf16_llama_step_with_the_fusion_follows_the_plain_step():
+    torch._dynamo.reset()
+    cfg = LLAMA.with_(params_dtype=torch.bfloat16, hidden_size=256, ffn_hidden_size=512)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, labels = torch.randint(0, 100, (2, 2, 16), generator=g, device="cuda")
+    plain = llama_step(cfg, tokens, labels)
+    fused = llama_step(cfg.with_(pointwise_fusion=True), tokens, labels)
+    assert abs(fused[0] - plain[0]) < 1e-2 * plain[0]
+    for name, grad in plain[1].items():
+        assert rel_error(fused[1][name], grad) < 3e-2, name
+
+
+def test_a_cuda_graph_of_a_fused_step_compiles_nothing_and_replays_the_eager_losses():
+    torch._dynamo.reset()
+    cfg = LLAMA.with_(params_dtype=torch.bfloat16, pointwise_fusion=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = []
+    for _ in range(5):
+        tokens, labels = torch.randint(0, 100, (2, 2, 16), generator=g, device="cuda")
+        batches.append(dict(tokens=tokens, labels=labels, loss_mask=torch.ones_like(tokens)))
+    runs = []
+    for graph in (None, MicroBatchGraph(warmup_steps=2)):
+        torch._dynamo.reset()
+        compiles = []
+
+        def counting_inductor(gm, example_inputs, compiles=compiles):
+            compiles.append(gm)
+            return compile_fx(gm, example_inputs)
+
+        model = GPTModel(cfg, device="cuda")
+        init_chunk(model, 1)
+        with_backend(model, counting_inductor)
+        losses = []
+        for batch in batches:
+            if graph is None or not graph.begin_step():
+                loss = lm_loss(model(tokens=batch["tokens"], labels=batch["labels"]), batch)
+                loss.backward()
+                warm_up = len(compiles)
+            else:
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    graph.prepare(model, batch, lm_loss, None)
+                    loss = graph.replay(batch, 1.0)
+            losses.append(loss.detach().float())
+            model.zero_grad()
+        runs.append(torch.stack(losses))
+        assert len(compiles) == warm_up == 4  # norm, add_norm, swiglu, rope_qk
+    assert graph.captures == 1
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
+    graph.reset()
