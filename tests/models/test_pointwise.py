@@ -95,7 +95,7 @@ def outputs_and_grads(fn, leaves, args):
     out = fn(*args)
     out = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(9)
-    grads = [torch.randn(o.shape, generator=g).to(o.dtype) for o in out]
+    grads = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in out]
     got = torch.autograd.grad(out, leaves, grads)
     return [o.detach() for o in out], list(got), [o.stride() for o in out]
 
