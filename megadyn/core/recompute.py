@@ -11,6 +11,7 @@ the tensor-parallel streams of the RNG tracker, so dropout masks are the same bo
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -47,6 +48,26 @@ class RecomputeConfig:
         return self.granularity == "selective"
 
 
+_checkpointed = threading.local()
+
+
+def inside_recompute() -> bool:
+    """Whether `recompute`'s function is running (its forward or its recomputation): what it
+    saves for the backward is the checkpoint's to keep or drop."""
+    return getattr(_checkpointed, "depth", 0) > 0
+
+
+def _marked(fn):
+    def run(*args):
+        _checkpointed.depth = getattr(_checkpointed, "depth", 0) + 1
+        try:
+            return fn(*args)
+        finally:
+            _checkpointed.depth -= 1
+
+    return run
+
+
 def recompute(fn, *args, tracker: RNGTracker | None = None):
     """Run `fn(*args)` without keeping its activations; recompute them during backward."""
 
@@ -66,7 +87,7 @@ def recompute(fn, *args, tracker: RNGTracker | None = None):
 
         return contextlib.nullcontext(), replay()
 
-    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+    return torch_checkpoint(_marked(fn), *args, use_reentrant=False, context_fn=context_fn)
 
 
 def run_layers(layers, x, config: RecomputeConfig, tracker: RNGTracker | None, **kw):

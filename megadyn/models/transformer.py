@@ -36,7 +36,15 @@ from megadyn.core.tensor_parallel import (
 from megadyn.models.attention import attention_kernels
 from megadyn.models.config import GPTConfig
 from megadyn.models.document_attention import DocumentMask, document_attention
-from megadyn.models.pointwise import Fusions, add_norm, dropout_add, norm, rope_qk, swiglu
+from megadyn.models.pointwise import (
+    Fusions,
+    add_norm,
+    dropout_add,
+    norm,
+    recomputed_in_backward,
+    rope_qk,
+    swiglu,
+)
 from megadyn.models.qkv_split import split_qkv
 
 
@@ -205,11 +213,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
-        if self.swiglu:
-            y = self.fusions(self.fusions.swiglu, swiglu, y)(y)
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximate)
-        return self.linear_fc2(y)
+        if not self.swiglu:
+            return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
+        fn = self.fusions(self.fusions.swiglu, swiglu, y)
+        h = fn(y)
+        if not self.fusions.swiglu:
+            return self.linear_fc2(h)
+        with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h
+            return self.linear_fc2(h)
 
 
 class TransformerLayer(nn.Module):

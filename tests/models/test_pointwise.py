@@ -7,6 +7,7 @@ torch.compile with inductor's decompositions and partitioner, run eagerly
 ('aot_eager_decomp_partition'); inductor's Triton code is checked on a GPU
 (test_pointwise_gpu.py). Tensor and sequence parallelism: test_pointwise_parallel.py."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -156,6 +157,35 @@ def test_compiled_regions_keep_less_for_the_backward():
     assert saved_bytes(compiled(add_norm), x, x, w, None, 1e-5, 0.0) == kept
 
 
+def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
+    """Under the SwiGLU fusion fc2 keeps no copy of its input (SwiGLU's output, 1/2 of fc1's):
+    the backward computes it again from fc1's output, which SwiGLU's backward keeps, and the
+    gradients are bit for bit those of keeping it. Inside full recomputation the checkpoint
+    decides and nothing is replaced."""
+    import megadyn.models.pointwise as pointwise
+    import megadyn.models.transformer as transformer
+
+    replaced = []
+    original = pointwise._Recomputed.__init__
+
+    def counting(self, t, base):
+        replaced.append(tuple(t.shape))
+        original(self, t, base)
+
+    monkeypatch.setattr(pointwise._Recomputed, "__init__", counting)
+    cfg = LLAMA.with_(params_dtype=torch.bfloat16, pointwise_fusion=True)
+    recomputed = model_step(cfg, COMPILED)
+    tokens, ffn = 2 * 16, cfg.ffn_size  # micro batch 2, seq 16: fc2 saves [tokens, ffn]
+    assert replaced == [(tokens, ffn)] * cfg.num_layers
+    monkeypatch.setattr(transformer, "recomputed_in_backward", lambda *a: contextlib.nullcontext())
+    assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
+    monkeypatch.undo()
+    replaced.clear()
+    monkeypatch.setattr(pointwise._Recomputed, "__init__", counting)
+    model_step(cfg, COMPILED, RecomputeConfig("full", "uniform", 1))
+    assert replaced == []
+
+
 def test_the_compiled_dropout_add_drops_and_scales_as_its_backward_says():
     r, y = rand(64, 4, 32), rand(64, 4, 32, seed=1)
     fn = compiled(dropout_add)
@@ -274,7 +304,8 @@ def test_nothing_compiles_after_the_warm_up_step_of_a_graphed_step():
             graph.prepare(model, batch, lm_loss, None)
             loss = graph.replay(batch, 1.0)
         losses.append(loss.detach())
-    # norm, add_norm, swiglu and rope_qk: a forward and a backward graph each
-    assert warm_up == 8 and sorted(set(calls)) == ["backward", "forward"]
+    # norm, add_norm, swiglu and rope_qk: a forward and a backward graph each; swiglu once
+    # more without gradients (fc2's input, computed again in the backward)
+    assert warm_up == 9 and sorted(set(calls)) == ["backward", "forward"]
     assert len(calls) == warm_up and graph.captures == 1
     assert all(torch.isfinite(loss) for loss in losses)
