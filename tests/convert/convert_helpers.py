@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from tests.tiny import TRAINING, tiny_args
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 100
 SEQ = 12
@@ -70,16 +72,7 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-TRAIN = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "32", "--make-vocab-size-divisible-by", "8",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "60",
-    "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-2", "--min-lr", "1e-3",
-    "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.1",
-    "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--log-interval", "1", "--eval-interval", "0", "--num-workers", "0", "--seed", "7",
-    "--openai-gelu",
-]  # fmt: skip
+TRAIN = tiny_args(TRAINING, max_position_embeddings=32, openai_gelu=True)
 """pretrain_gpt.py flags of a tiny job on mock data (GPT-2 block with GPT-2's tanh GeLU;
 NullTokenizer: vocabulary 61)."""
 

@@ -12,14 +12,21 @@ from megadyn.core.groups import ParallelGroups
 from megadyn.testing import spawn
 from megadyn.training.arguments import parse_args
 from megadyn.training.trainer import Trainer
-from tests.training.test_training_run import COMMON
+from tests.tiny import tiny_args
+from tests.training.test_training_run import JOB
 
 STEPS = 3
 # lr 1e-3: Adam divides each gradient element by its own magnitude, so an element whose
 # gradient is near zero turns the last-bit differences of another summation order (a sum over
 # 4 ranks against two sums over 2) into weight differences of about lr x 1e-4
-ARGS = COMMON + ["--use-distributed-optimizer", "--global-batch-size", "8", "--lr", "1e-3"]
-ARGS += ["--min-lr", "1e-4", "--train-iters", str(STEPS)]
+ARGS = tiny_args(
+    JOB,
+    use_distributed_optimizer=True,
+    global_batch_size=8,
+    lr="1e-3",
+    min_lr="1e-4",
+    train_iters=STEPS,
+)
 
 
 def _trainer(world, tp, instances, *flags, device="cpu"):

@@ -37,6 +37,7 @@ from megadyn.training.build import build_model_parts, no_sync
 from megadyn.training.config import MegadynConfig, TrainingConfig
 from megadyn.training.tensors import adopt_tensors, export_tensors
 from tests.core.test_tp_parity import VARIANTS, batch, gather_global
+from tests.tiny import EIGHT_WAY, tiny_args
 
 RECIPES = [Fp8Recipe("e4m3"), Fp8Recipe("hybrid"), Fp8Recipe("e4m3", "rowwise")]
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -285,11 +286,7 @@ def test_fp8_tracks_plain_model_tp2_equals_tp1_and_cached_weights_are_exact(tmp_
     spawn(fp8_jobs_body, world=2, args=(str(tmp_path),))
 
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
-    "--micro-batch-size 2 --global-batch-size 16 --train-iters 10 --lr 1e-3 "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 100"
-)
+BASE = shlex.join(tiny_args(EIGHT_WAY, train_iters=10))
 
 
 @pytest.mark.parametrize(

@@ -20,13 +20,21 @@ from megadyn.data import token_range as token_range_module
 from megadyn.data.indexed_dataset import IndexedDatasetWriter
 from megadyn.data.token_range import sidecar_path, token_range
 from megadyn.testing import free_port
+from tests.tiny import tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = (
-    "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 1 --lr 1e-3 "
-    "--train-iters 2 --eval-interval 0 --num-workers 0"
-).split()
+TINY = tiny_args(
+    num_layers=1,
+    hidden_size=16,
+    num_attention_heads=2,
+    mock_data=None,  # each test names its data and tokenizer
+    tokenizer_type=None,
+    vocab_size=None,
+    global_batch_size=1,
+    train_iters=2,
+    eval_interval=0,
+    num_workers=0,
+)
 
 
 def pretrain(*flags: str) -> tuple[int, str]:

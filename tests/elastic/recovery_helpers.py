@@ -18,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-from test_live_reconfiguration import ARGS  # noqa: E402
+from test_live_reconfiguration import LIVE
+
+from tests.tiny import REPEATABLE, RUN, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
 SNAPSHOT_DONE = re.compile(r"in-memory snapshot \S*iter_(\d+) complete")
@@ -49,11 +51,21 @@ class Progress:
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
+IN_PROCESS = {
+    **RUN,
+    **REPEATABLE,
+    "num_layers": 4,
+    "make_vocab_size_divisible_by": 8,
+    "global_batch_size": 12,
+    "lr_decay_style": "constant",
+}
+"""The job of the in-process recovery and drain tests (they add --train-iters): 4 layers, 12
+samples a step, a constant learning rate."""
+
+
 def args(iters: int) -> list[str]:
     """The tiny model of the live-reconfiguration tests, trained for `iters` steps."""
-    a = [x if x != "10" else str(iters) for x in ARGS]
-    a[a.index("--lr") + 1], a[a.index("--min-lr") + 1] = "1e-3", "1e-4"
-    return a
+    return tiny_args(LIVE, train_iters=iters, lr="1e-3", min_lr="1e-4")
 
 
 def workers_of(pid: int) -> list[int]:

@@ -20,17 +20,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from recovery_helpers import LINE, rank_of, run_torchrun, workers_of
+from recovery_helpers import IN_PROCESS, LINE, rank_of, run_torchrun, workers_of
 
 from megadyn.testing import free_port, run_pretrain, spawn
+from tests.tiny import tiny_args
 
-TINY = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 12 "
-    "--lr 1e-3 --lr-decay-style constant --hidden-dropout 0 --attention-dropout 0 --seed 7 "
-    "--log-interval 1 --eval-interval 0 --num-workers 0 --use-distributed-optimizer"
-).split()
+TINY = tiny_args(IN_PROCESS, use_distributed_optimizer=True)
 DRAIN = re.compile(
     r"elastic: event: drain \| epoch: \d+ \| iteration: \d+ \| old: (\S+) \| new: (\S+) \| left: (\d+)"
 )

@@ -17,13 +17,13 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from test_live_reconfiguration import ARGS as GRID_ARGS
-from test_live_reconfiguration import merged_losses
+from test_live_reconfiguration import LIVE, merged_losses
 
 from megadyn.testing import free_port, run_pretrain, spawn
+from tests.tiny import tiny_args
 
 STEP = 8  # --global-batch-size: samples per iteration
-ARGS = [a for a in GRID_ARGS if a != "--use-distributed-optimizer"]
+ARGS = tiny_args(LIVE, use_distributed_optimizer=None)
 DISTOPT = ARGS + ["--use-distributed-optimizer"]
 
 

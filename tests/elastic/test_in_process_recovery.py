@@ -37,17 +37,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from recovery_helpers import LINE, REPO, rank_of, run_torchrun, workers_of
+from recovery_helpers import IN_PROCESS, LINE, REPO, rank_of, run_torchrun, workers_of
 
 from megadyn.testing import free_port, run_pretrain, spawn
+from tests.tiny import tiny_args
 
-TINY = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 12 "
-    "--lr 1e-3 --lr-decay-style constant --hidden-dropout 0 --attention-dropout 0 --seed 7 "
-    "--log-interval 1 --eval-interval 0 --num-workers 0"
-).split()
+TINY = tiny_args(IN_PROCESS)
 ITERS = 14
 GBS = 12
 RECOVERED = re.compile(

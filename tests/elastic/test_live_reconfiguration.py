@@ -5,57 +5,18 @@ import threading
 from collections import Counter
 
 from megadyn.testing import free_port, run_pretrain, spawn
+from tests.tiny import TRAINING, tiny_args
 
-ARGS = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--make-vocab-size-divisible-by",
-    "8",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "60",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "1e-2",
-    "--min-lr",
-    "1e-3",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--weight-decay",
-    "0.1",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "0",
-    "--num-workers",
-    "0",
-    "--seed",
-    "7",
-    "--train-iters",
-    "10",
-    "--use-distributed-optimizer",
-]
+LIVE = {
+    **TRAINING,
+    "num_layers": 4,
+    "global_batch_size": 8,
+    "train_iters": 10,
+    "use_distributed_optimizer": True,
+}
+"""The job that changes layout live (TRAINING at 4 layers, 8 samples a step, 10 steps)."""
+ARGS = tiny_args(LIVE)
+
 REQUESTS = [
     {"action": "layout", "tp": 1, "pp": 2, "members": 4, "at_iteration": 2},  # tp1 x pp2 x dp2
     {"action": "layout", "tp": 2, "pp": 1, "members": 2, "at_iteration": 4},  # scale in: tp2 on 2
@@ -178,8 +139,8 @@ def test_standby_processes_sit_out_a_change_among_the_members():
 
 
 def test_operator_tool_refuses_bad_request_and_releases_processes():
-    args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
-    args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"  # not chaotic
+    # 200 steps: time for the tool; lr 1e-3: not chaotic
+    args = tiny_args(LIVE, train_iters=200, lr="1e-3", min_lr="1e-4")
     reference = spawn(run_pretrain, world=1, args=(args,))[0].history
     port = free_port()
     argv = args + ["--elastic-control-port", str(port), "--elastic-layout", "pinned"]
@@ -202,9 +163,7 @@ def test_operator_tool_refuses_bad_request_and_releases_processes():
 def test_rng_streams_move_with_the_state():
     # with dropout on, a reconfiguration that keeps every rank's (pp, tp) coordinates continues the
     # dropout streams exactly: losses equal an uninterrupted run (reseeding would repeat masks)
-    dropout = [a for a in ARGS]
-    dropout[dropout.index("--hidden-dropout") + 1] = "0.1"
-    dropout[dropout.index("--attention-dropout") + 1] = "0.1"
+    dropout = tiny_args(LIVE, hidden_dropout=0.1, attention_dropout=0.1)
     layout = ["--tensor-model-parallel-size", "2"]
     reference = spawn(run_pretrain, world=2, args=(dropout + layout,))[1].history
     port = free_port()

@@ -13,15 +13,18 @@ import time
 import pytest
 
 from megadyn.testing import free_port
+from tests.tiny import RUN, tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 8 "
-    "--lr 1e-3 --log-interval 10 --eval-interval 0 --num-workers 0 --train-iters 300 "
-    "--use-distributed-optimizer"
-).split()
+TINY = tiny_args(
+    RUN,
+    num_layers=4,
+    make_vocab_size_divisible_by=8,
+    global_batch_size=8,
+    log_interval=10,
+    train_iters=300,
+    use_distributed_optimizer=True,
+)
 REQUESTS = [  # sent one after another (each tool starts in seconds; the job has 300 steps)
     ["drain", "0"],  # rank 0 hosts the control store: refused, and nothing changes
     ["layout", "--tp", "1", "--pp", "2", "--at-iteration", "20"],  # standby processes sit out

@@ -25,12 +25,9 @@ from megadyn.elastic.recovery.recovery import abort
 from megadyn.elastic.reshard.plan import PlanError
 from megadyn.elastic.transition import distopt_of, plan_from
 from megadyn.training.arguments import parse_args
+from tests.tiny import tiny_args
 
-TINY = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --mock-data --tokenizer-type NullTokenizer --vocab-size 60 "
-    "--micro-batch-size 1 --global-batch-size 12 --train-iters 10 --lr 1e-3"
-).split()
+TINY = tiny_args(num_layers=4, global_batch_size=12, train_iters=10)
 
 
 def setup(layout: Layout, members, *flags: str):

@@ -30,15 +30,21 @@ from megadyn.elastic.control.stragglers import RankFigures, StragglerDetector, f
 from megadyn.elastic.planning.straggler_rebalance import split_by_speed
 from megadyn.testing import free_port, run_pretrain, spawn
 from megadyn.training.arguments import ConfigError, parse_args
+from tests.tiny import REPEATABLE, RUN, tiny_args
 
-TINY = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 12 "
-    "--lr 1e-3 --lr-decay-style constant --hidden-dropout 0 --attention-dropout 0 --seed 7 "
-    "--eval-interval 0 --num-workers 0 --use-distributed-optimizer --train-iters 12 "
-    "--log-interval 3 --log-straggler --straggler-threshold 3 --straggler-intervals 3"
-).split()
+TINY = tiny_args(
+    RUN,
+    REPEATABLE,
+    make_vocab_size_divisible_by=8,
+    global_batch_size=12,
+    lr_decay_style="constant",
+    use_distributed_optimizer=True,
+    train_iters=12,
+    log_interval=3,
+    log_straggler=True,
+    straggler_threshold=3,
+    straggler_intervals=3,
+)
 SLOW = "2:0.1"
 LINE = re.compile(r" straggler: slowest rank (\d+) \(\S+, cpu\) \| score ([\d.]+) x median")
 NAMED = re.compile(r"rank (\d+) is a straggler")

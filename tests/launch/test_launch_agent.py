@@ -17,16 +17,11 @@ import torch.distributed as dist
 from megadyn.launch import failures
 from megadyn.launch.__main__ import parse_args, set_worker_environment
 from megadyn.testing import free_port
+from tests.tiny import RUN, tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = "tests/launch/survivor_worker.py"
-TINY = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --make-vocab-size-divisible-by 8 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 60 --micro-batch-size 1 --global-batch-size 4 "
-    "--lr 1e-3 --log-interval 1 --eval-interval 0 --num-workers 0 --train-iters 5 "
-    "--use-distributed-optimizer"
-).split()
+TINY = tiny_args(RUN, make_vocab_size_divisible_by=8, train_iters=5, use_distributed_optimizer=True)
 
 
 def start(module: str, args: list[str], nproc: int = 3, **env_overrides) -> subprocess.Popen:

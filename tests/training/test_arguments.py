@@ -14,6 +14,7 @@ from megadyn.core.layout import Layout
 from megadyn.training import config as config_module
 from megadyn.training.arguments import ConfigError, build_parser, dump_args, parse_args
 from megadyn.training.config import field_docs
+from tests.tiny import EIGHT_WAY, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,11 +55,7 @@ FLAGS = [
     "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-decay-incr-style", "-h",
 ]  # fmt: skip
 
-BASE = (
-    "--num-layers 8 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
-    "--micro-batch-size 2 --global-batch-size 16 --train-iters 100 --lr 1e-3 "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 100"
-)
+BASE = shlex.join(tiny_args(EIGHT_WAY, num_layers=8, train_iters=100))
 
 
 NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0"

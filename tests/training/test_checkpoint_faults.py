@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training_run import COMMON, close, train  # noqa: E402
+from test_training_run import COMMON, JOB, close, train  # noqa: E402
 
 from megadyn.testing import run_pretrain, spawn
 from megadyn.testing.damage import flip_bytes
@@ -20,6 +20,7 @@ from megadyn.training.checkpoint_dirs import (
     find_checkpoint,
     latest_checkpoint,
 )
+from tests.tiny import tiny_args
 
 
 def crash_on_second_save(rank, world, argv):
@@ -205,7 +206,7 @@ def test_a_checkpoint_saved_without_checksums_loads_unverified(saved, tmp_path, 
 
 
 def test_model_shape_mismatch_is_a_clear_error(saved):
-    bigger = [a if a != "32" else "64" for a in COMMON]  # --hidden-size 64
+    bigger = tiny_args(JOB, hidden_size=64)
     with pytest.raises(RuntimeError, match="global shape"):
         spawn(run_pretrain, world=1, args=(bigger + ["--load", saved[0]],))
 

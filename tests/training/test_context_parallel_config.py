@@ -7,11 +7,16 @@ import shlex
 import pytest
 
 from megadyn.training.arguments import ConfigError, parse_args
+from tests.tiny import tiny_args
 
-BASE = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
-    "--vocab-size 60 --attention-dropout 0"
+BASE = shlex.join(
+    tiny_args(
+        num_layers=4,
+        max_position_embeddings=None,
+        global_batch_size=None,  # Megatron's default: micro batch x dp
+        train_iters=2,
+        attention_dropout=0,
+    )
 )
 
 

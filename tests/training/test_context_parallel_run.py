@@ -8,7 +8,8 @@ import os
 from collections import Counter
 
 from megadyn.testing import free_port, spawn
-from tests.elastic.test_live_reconfiguration import ARGS, elastic_run, operator_tool, run_pretrain
+from tests.elastic.test_live_reconfiguration import LIVE, elastic_run, operator_tool, run_pretrain
+from tests.tiny import tiny_args
 from tests.training.test_training_run import COMMON, close, train
 
 
@@ -57,8 +58,7 @@ def test_a2a_job_refuses_a_cp_its_heads_do_not_allow_and_takes_the_next_request(
     """An operator's elastic_ctl.py requests to an a2a job at cp 2 with 2 key/value heads:
     `layout --cp 4` is refused by name and the job goes on; `layout --cp 1` (dp 4) is taken;
     the losses are those of the uninterrupted single-process run."""
-    args = [a if a != "10" else "200" for a in ARGS]  # --train-iters 200: time for the tool
-    args[args.index("--lr") + 1], args[args.index("--min-lr") + 1] = "1e-3", "1e-4"
+    args = tiny_args(LIVE, train_iters=200, lr="1e-3", min_lr="1e-4")  # 200: time for the tool
     gqa = ["--group-query-attention", "--num-query-groups", "2", "--cp-comm-type", "a2a"]
     reference = spawn(run_pretrain, world=1, args=(args + gqa[:3],))[0].history
     port = free_port()

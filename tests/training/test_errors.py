@@ -17,13 +17,10 @@ from megadyn.data.indexed_dataset import IndexedDatasetWriter
 from megadyn.launch import errors
 from megadyn.testing import free_port
 from megadyn.training.config import ConfigError
+from tests.tiny import tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --tokenizer-type NullTokenizer --vocab-size 60 "
-    "--micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --train-iters 4 --eval-interval 0"
-).split()
+TINY = tiny_args(mock_data=None, train_iters=4, eval_interval=0)  # the tests add --data-path
 GLOO_PEER_LOST = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
     "[127.0.0.1]:60108. This is typically caused by a remote worker crashing."

@@ -6,8 +6,6 @@ tp 2 x dp 2 base with memory for everything runs every sample at dp 4 (weights g
 tp, gradients sliced back), with the same losses. The switch's moves equal the reshard
 executor's bit for bit. The planner is checked without processes."""
 
-import shlex
-
 import numpy as np
 import pytest
 
@@ -21,6 +19,7 @@ from megadyn.testing import spawn
 from megadyn.testing.corpus import write_corpus
 from megadyn.training.arguments import parse_args
 from megadyn.training.config import ConfigError
+from tests.tiny import REPEATABLE, RUN, tiny_args
 
 MODEL = GPTConfig(
     num_layers=2,
@@ -49,15 +48,31 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("hot"), texts, vocab_size=60)
 
 
-def flags(prefix: str) -> list[str]:
-    return shlex.split(
-        "--num-layers 2 --hidden-size 16 --num-attention-heads 4 --seq-length 64 "
-        "--max-position-embeddings 64 --make-vocab-size-divisible-by 8 "
-        f"--data-path {prefix} --split 100,0,0 --tokenizer-type NullTokenizer --vocab-size 60 "
-        f"--sample-per-document --micro-batch-tokens 64 --global-batch-size {GBS} --lr 1e-2 "
-        "--clip-grad 1.0 --seed 5 --hidden-dropout 0 --attention-dropout 0 --eval-interval 0 "
-        f"--num-workers 0 --log-interval 1 --train-iters {STEPS} --use-distributed-optimizer"
-    )
+JOB = {
+    **RUN,
+    **REPEATABLE,
+    "hidden_size": 16,
+    "seq_length": 64,
+    "max_position_embeddings": 64,
+    "make_vocab_size_divisible_by": 8,
+    "mock_data": None,
+    "split": "100,0,0",
+    "sample_per_document": True,
+    "micro_batch_tokens": 64,
+    "micro_batch_size": None,
+    "global_batch_size": GBS,
+    "lr": "1e-2",
+    "clip_grad": 1.0,
+    "seed": 5,
+    "train_iters": STEPS,
+    "use_distributed_optimizer": True,
+}
+"""MODEL's job on the corpus: one document a sample, 64 tokens a micro batch, GBS samples a
+step for STEPS steps."""
+
+
+def flags(prefix: str, **overrides) -> list[str]:
+    return tiny_args(JOB, data_path=prefix, **overrides)
 
 
 def static_and_hot(rank, world, argv):
@@ -139,8 +154,8 @@ def test_split_by_weight_deals_heaviest_first():
 
 def test_what_cannot_run_is_refused_by_name():
     argv = flags("d") + ["--dynamic-parallelism"]
-    joined = " ".join(argv).replace("--sample-per-document --micro-batch-tokens 64", "")
-    no_docs = shlex.split(joined) + ["--micro-batch-size", "1"]
+    no_docs = flags("d", sample_per_document=None, micro_batch_tokens=None, micro_batch_size=1)
+    no_docs += ["--dynamic-parallelism"]
     with pytest.raises(ConfigError, match="--dynamic-parallelism groups samples by length"):
         parse_args(no_docs, world_size=1)
     with pytest.raises(ConfigError, match="--dynamic-parallelism does not run with --overlap-p"):

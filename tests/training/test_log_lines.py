@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from megadyn.testing import free_port
+from tests.tiny import RUN, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = (
-    "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 "
-    "--train-iters 2 --log-interval 1 --eval-interval 0 --num-workers 0 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 60"
-).split()
+TINY = tiny_args(
+    RUN, num_layers=1, hidden_size=16, num_attention_heads=2, global_batch_size=2, train_iters=2
+)
 
 
 @pytest.fixture(scope="module")

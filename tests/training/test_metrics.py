@@ -29,6 +29,7 @@ from megadyn.training.wandb_logger import (
     read_offline_config,
     read_offline_history,
 )
+from tests.tiny import tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,13 +157,17 @@ def test_wandb_offline_run_holds_the_logged_losses(tmp_path, monkeypatch, capsys
     assert read_offline_config(logger.run_dir)["logging.wandb_project"] == "megadyn-test"
 
 
-TINY = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --tokenizer-type GPT2BPETokenizer --mock-data "
-    "--make-vocab-size-divisible-by 8 "
-    "--micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --train-iters 4 --eval-interval 0 "
-    "--log-interval 1 --tensor-model-parallel-size 2 --sequence-parallel --save-interval 2"
-).split()
+TINY = tiny_args(
+    tokenizer_type="GPT2BPETokenizer",
+    vocab_size=None,
+    make_vocab_size_divisible_by=8,
+    train_iters=4,
+    eval_interval=0,
+    log_interval=1,
+    tensor_model_parallel_size=2,
+    sequence_parallel=True,
+    save_interval=2,
+)
 
 
 def gpt2_bpe_files(directory: Path) -> list[str]:

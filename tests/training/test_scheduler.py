@@ -9,6 +9,7 @@ from megadyn.core.optimizer import OptimizerConfig
 from megadyn.training.config import ConfigError, SchedulerConfig, TrainingConfig
 from megadyn.training.microbatches import MicroBatchCalculator
 from megadyn.training.scheduler import LRScheduler
+from tests.tiny import tiny_args
 
 MAX, MIN, INIT, WARM, DECAY = 1e-3, 1e-4, 1e-5, 10, 110
 
@@ -162,11 +163,7 @@ def test_a_schedule_mismatch_names_its_flag(change, flag):
 def test_megatrons_two_schedule_flags_are_exclusive():
     from megadyn.training.arguments import parse_args
 
-    base = (
-        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-        "--micro-batch-size 1 --global-batch-size 4 --train-iters 6 --lr 1e-3 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 60"
-    ).split()
+    base = tiny_args(max_position_embeddings=None, train_iters=6)
     cfg = parse_args(base + ["--override-opt_param-scheduler"], world_size=1)
     assert cfg.scheduler.override_opt_param_scheduler
     with pytest.raises(ConfigError, match="--use-checkpoint-opt_param-scheduler"):

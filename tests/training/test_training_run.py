@@ -7,58 +7,11 @@ import re
 import pytest
 
 from megadyn.testing import run_pretrain, spawn
+from tests.tiny import TRAINING, tiny_args
 
-MODEL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--make-vocab-size-divisible-by",
-    "8",
-]
-COMMON = MODEL + [
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "60",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-2",
-    "--min-lr",
-    "1e-3",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--weight-decay",
-    "0.1",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "0",
-    "--num-workers",
-    "0",
-    "--seed",
-    "7",
-    "--train-iters",
-    "6",
-]
+JOB = {**TRAINING, "num_layers": 4, "train_iters": 6}
+"""The job of these tests: TRAINING at 4 layers, 6 steps of 4 samples."""
+COMMON = tiny_args(JOB)
 
 
 def train(world, *flags):

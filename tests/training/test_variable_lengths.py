@@ -9,12 +9,12 @@ import shlex
 
 import numpy as np
 import pytest
-from test_training_run import MODEL
 
 from megadyn.testing import run_pretrain, spawn
 from megadyn.testing.corpus import write_corpus
 from megadyn.training.arguments import parse_args
 from megadyn.training.config import ConfigError
+from tests.tiny import REPEATABLE, RUN, tiny_args
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +29,26 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("varlen"), texts, vocab_size=60)
 
 
-def flags(prefix: str) -> list[str]:
-    return MODEL + shlex.split(
-        f"--data-path {prefix} --split 90,10,0 --tokenizer-type NullTokenizer --vocab-size 60 "
-        "--sample-per-document --global-batch-size 8 --lr 1e-2 --clip-grad 0 --seed 7 "
-        "--hidden-dropout 0 --attention-dropout 0 --eval-interval 0 --num-workers 0 "
-        "--log-interval 1 --train-iters 2"
-    )
+JOB = {
+    **RUN,
+    **REPEATABLE,
+    "num_layers": 4,
+    "make_vocab_size_divisible_by": 8,
+    "mock_data": None,
+    "split": "90,10,0",
+    "sample_per_document": True,
+    "micro_batch_size": None,
+    "global_batch_size": 8,
+    "lr": "1e-2",
+    "clip_grad": 0,
+    "train_iters": 2,
+}
+"""A 4-layer model on the corpus: one document a sample, 8 samples a step (each test names its
+token budget, --micro-batch-tokens)."""
+
+
+def flags(prefix: str, **overrides) -> list[str]:
+    return tiny_args(JOB, data_path=prefix, **overrides)
 
 
 def budget_steps(rank, world, argv, budgets):
@@ -74,7 +87,7 @@ def test_token_budgets_and_dp_give_the_same_losses_and_gradients(corpus):
 
 def test_pretrain_gpt_trains_with_variable_lengths_and_resumes_under_another_dp(corpus, tmp_path):
     save = str(tmp_path / "ckpt")
-    argv = flags(corpus)[:-2] + shlex.split(
+    argv = flags(corpus, train_iters=None) + shlex.split(
         "--train-iters 16 --micro-batch-tokens 32 --eval-interval 8 --eval-iters 1 "
         f"--save {save} --save-interval 8"
     )
