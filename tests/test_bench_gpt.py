@@ -13,7 +13,7 @@ FIELDS = [
     "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "sp", "cp", "cp_comm_type",
     "cp_placement", "cp_block_size", "documents", "cuda_graph", "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "fp8", "attn",
     "attention_backend", "recompute", "layers", "hidden", "seq", "mbs", "gbs", "iter_s",
-    "iters_s", "warmup_iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib",
+    "iters_s", "warmup_iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib", "resident_mem_gib",
     "arch", "pointwise_fusion", "heads", "query_groups", "ffn", "vocab", "params", "flops_per_iter",
 ]  # fmt: skip
 

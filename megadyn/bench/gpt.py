@@ -254,10 +254,12 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     times, warmup_times = time_steps(step, sync, a.warmup, a.iters)
     if a.profile:
         profile(a, step, sync)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    mem = torch.tensor([peak], device=device)
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    resident = torch.cuda.memory_allocated(device) / 2**30 if cuda else 0.0  # between steps
+    mem = torch.tensor([peak, resident], device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    res = record(a, layout.dp, world, times, warmup_times, mem.item())
+    res = record(a, layout.dp, world, times, warmup_times, mem[0].item(), mem[1].item())
     # the CUDA graph goes before its communicators (NCCL waits for graphs that use them), and
     # the gradient hooks on the parameters, which would keep the whole job alive after this
     trainer.release()
@@ -272,9 +274,12 @@ def _fp8_mode(a: argparse.Namespace) -> str | None:
     return f"{a.fp8_format}/{a.fp8_recipe}" + ("+nocache" if a.no_fp8_weight_cache else "")
 
 
-def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> dict:
+def record(
+    a, dp: int, world: int, times, warmup_times, peak_mem_gib: float, resident_gib: float = 0.0
+) -> dict:
     """The reference script's fields: the run's shape, the median iteration, throughput and
-    MFU by its FLOPs formula, peak memory (the maximum over ranks)."""
+    MFU by its FLOPs formula, peak memory (the maximum over ranks), and the memory held
+    between steps (weights, gradients, optimizer state, CUDA graph pools)."""
     ordered = sorted(times)
     med = ordered[len(ordered) // 2]
     s, n_layers, h, B = a.seq, a.layers, a.hidden, a.gbs
@@ -313,6 +318,7 @@ def record(a, dp: int, world: int, times, warmup_times, peak_mem_gib: float) -> 
         tflops_per_gpu=round(tflops, 1),
         mfu=round(tflops / a.peak_tflops, 4),
         peak_mem_gib=round(peak_mem_gib, 2),
+        resident_mem_gib=round(resident_gib, 2),
         **model,
     )
 
