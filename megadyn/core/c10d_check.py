@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,7 @@ NAMES = (
     "abort_group",
     "symmetric_memory",
     "set_sm_carveout",
+    "rendezvous_state_refreshed",
 )
 
 
@@ -165,6 +167,18 @@ def _checks(device: torch.device) -> dict[str, Callable[[], None]]:
             compat.set_sm_carveout(None)
         else:  # the CPU build has the name too
             _expect(hasattr(torch._C, "_set_sm_carveout_experimental"), "missing")
+
+    def rendezvous_state_refreshed():
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+        state = rdzv._RendezvousState()
+        node = rdzv._NodeDesc("host", 1, 0)
+        state.participants[node] = 0
+        state.last_heartbeats[node] = datetime.now(timezone.utc) - timedelta(hours=1)
+        fresh = pickle.loads(compat.rendezvous_state_refreshed(pickle.dumps(state)))
+        age = datetime.now(timezone.utc) - fresh.last_heartbeats[node]
+        _expect(age < timedelta(minutes=1), f"the keep-alive time is {age} old")
+        _expect(fresh.participants == {node: 0}, "the participants changed")
 
     checks = {f.__name__: f for f in locals().values() if callable(f) and f is not _expect}
     return {name: checks[name] for name in NAMES}

@@ -7,7 +7,8 @@
         group = dist.new_group(ranks)
 
 torch does not promise these names (`_world.pg_map`, `_world.group_count`, `_set_pg_timeout`,
-`_get_default_store`, `ProcessGroup.abort`, `_symmetric_memory`, the SM carve-out); every other
+`_get_default_store`, `ProcessGroup.abort`, `_symmetric_memory`, the SM carve-out, the keep-alive
+times inside torchrun's pickled rendezvous state); every other
 module reaches them only through the functions below. Each looks its name up when called and
 raises `TorchChanged`, naming the torch version and what megadyn needed, when the name is gone.
 The same checks run as one self-test on any machine, CPU (gloo) or GPUs (NCCL):
@@ -21,9 +22,10 @@ runs it on CPU; scripts/gpu/smoke.sh on the GPU machine's torch).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
@@ -139,6 +141,18 @@ def symmetric_memory():
 def set_sm_carveout(sms: int | None) -> None:
     """Leave `sms` multiprocessors to the kernels beside the GEMMs (None: no carve-out)."""
     _require(torch._C, "_set_sm_carveout_experimental", "leave multiprocessors to NCCL")(sms)
+
+
+def rendezvous_state_refreshed(state: bytes) -> bytes:
+    """torchrun's rendezvous state (the pickled object its c10d rendezvous keeps in the store)
+    with every node's keep-alive time set to now: published again after the coordinator's
+    restart, times older than torchrun's keep-alive limit would drop every node of the job."""
+    obj = pickle.loads(state)
+    beats = _require(obj, "last_heartbeats", "publish the rendezvous anew")
+    now = datetime.now(timezone.utc)
+    for node, when in beats.items():
+        beats[node] = now if when.tzinfo is not None else now.replace(tzinfo=None)
+    return pickle.dumps(obj)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from argparse import Namespace
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from megadyn.launch import rendezvous, torchrun_env
 from megadyn.launch.agent import KEEP_SURVIVORS_ENV, launch
 
 
@@ -55,9 +56,10 @@ def parse_args(argv: list[str]) -> tuple[Namespace, bool]:
         metavar="HOST:PORT",
         default=None,
         help="The job's store served by `python -m megadyn.launch.coordinator` on a host that "
-        "does not train: the rendezvous (as --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
-        "--rdzv-conf is_host=0), the workers' store and the failure records live there, so "
-        "the job survives the loss of any training host (rank 0's included).",
+        "does not train: the rendezvous (torchrun's c10d rendezvous, as --rdzv-backend megadyn "
+        "--rdzv-endpoint HOST:PORT), the workers' store and the failure records live there, so "
+        "the job survives the loss of any training host (rank 0's included), and a restart of "
+        "the coordinator at the same address (megadyn/launch/store_client.py).",
     )
     args = parser.parse_args(argv)
     keep = not args.no_keep_survivors and os.environ.get(KEEP_SURVIVORS_ENV, "1") != "0"
@@ -75,7 +77,7 @@ def _coordinator(parser, args: Namespace) -> tuple[str, int]:
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
-    if args.rdzv_backend not in ("static", "c10d"):  # static: torchrun's default
+    if args.rdzv_backend not in ("static", "c10d", rendezvous.BACKEND):  # static: the default
         parser.error(
             f"--coordinator uses the c10d rendezvous, not --rdzv-backend {args.rdzv_backend}"
         )
@@ -84,8 +86,7 @@ def _coordinator(parser, args: Namespace) -> tuple[str, int]:
             f"--coordinator {args.coordinator} is the rendezvous endpoint; --rdzv-endpoint "
             f"{args.rdzv_endpoint} contradicts it (give one of them)"
         )
-    args.rdzv_backend, args.rdzv_endpoint = "c10d", args.coordinator
-    args.rdzv_conf = ",".join(c for c in (args.rdzv_conf, "is_host=0") if c)
+    args.rdzv_backend, args.rdzv_endpoint = rendezvous.BACKEND, args.coordinator
     return host, int(port)
 
 
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         del os.environ[KEEP_SURVIVORS_ENV]
     host_timeout, coordinator = args.host_timeout, args.coordinator
     del args.host_timeout, args.coordinator
+    if coordinator is not None:  # the workers' store client reconnects (store_client.py)
+        os.environ[torchrun_env.COORDINATOR_ENV] = "1"
     launch(args, keep_survivors=keep, host_timeout_s=host_timeout, coordinator=coordinator)
 
 

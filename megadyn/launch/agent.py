@@ -26,6 +26,12 @@ training host, the one of rank 0 included. An agent that finds its own host decl
 stops its workers and leaves (exit code 3): processes of the old epoch never rejoin. After a
 lost host the exit barrier does not wait for its agent.
 
+The coordinator may restart (coordinator.py): the agent's clients of its store reconnect
+(store_client.py), the rendezvous survives it (rendezvous.py: one line when the coordinator
+stops answering, one when it is back), and when it is back this agent publishes its failure
+records again (with any it could not write meanwhile) and its host watch resumes
+(`HostWatch.resume`).
+
 Everything else is torchrun's own code: the command line (torch.distributed.run's parser and
 `run`), the rendezvous, the workers' start, environment and logs, restarts, the exit barrier
 and the summary. `launch` hands this agent class to torch.distributed.launcher.api's
@@ -53,8 +59,9 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.utils.logging import get_logger
 
-from megadyn.launch import failures, hosts, torchrun_env
+from megadyn.launch import failures, hosts, rendezvous, torchrun_env
 from megadyn.launch.distributed_init import attempt_prefix
+from megadyn.launch.store_client import CoordinatorDown, ReconnectingStore
 
 KEEP_SURVIVORS_ENV = "MEGADYN_KEEP_SURVIVORS"
 """1 in the workers' environment when the agent keeps survivors (torchrun_env.keep_survivors);
@@ -80,6 +87,8 @@ def launch(
         torchrun.run(args)
         return
     settings = {"host_timeout_s": host_timeout_s, "coordinator": coordinator}
+    if coordinator is not None:
+        rendezvous.register()  # --rdzv-backend megadyn (__main__.py)
     with _agent_class(type("SurvivorKeepingAgent", (SurvivorKeepingAgent,), settings)):
         torchrun.run(args)
 
@@ -118,6 +127,8 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         self._attempt = spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
         self._kept: dict[int, ProcessFailure] = {}  # local rank -> its failure, this attempt
         self._records = None  # the failure store of this attempt, connected at the first failure
+        self._client: ReconnectingStore | None = None  # under it, with a coordinator
+        self._made: list[failures.WorkerFailure] = []  # the records this agent made
         self._recovering = False  # the attempt's workers declared that they recover in-process
         self._hosts: hosts.HostWatch | None = None  # keep-alives, once they recover in-process
         self._store_silent = False  # the store did not answer the last keep-alive
@@ -129,6 +140,7 @@ class SurvivorKeepingAgent(LocalElasticAgent):
             return super()._monitor_workers(worker_group)
         exits = {lr: h.proc.poll() for lr, h in pcontext.subprocess_handlers.items()}
         running = [lr for lr, code in exits.items() if code is None]
+        self._reach_coordinator()
         self._watch_hosts(worker_group, running)
         new = [lr for lr, code in exits.items() if code not in (None, 0) and lr not in self._kept]
         if not self._kept and not (new and running and self._survivors_recover(worker_group)):
@@ -182,6 +194,8 @@ class SurvivorKeepingAgent(LocalElasticAgent):
             )
             self._pcontext.close(death_sig=signal.SIGKILL)
             raise SystemExit(FENCED_EXIT) from None
+        except CoordinatorDown:  # the rendezvous says so, once
+            pass
         except Exception as e:  # noqa: BLE001 - the store is away: one line per outage
             if not self._store_silent:
                 logger.warning(
@@ -204,14 +218,31 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         key space; None when that store is a worker's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1),
         since it would go with that worker."""
         if self._records is None and worker_group.spec.rdzv_handler.use_agent_store:
-            client = dist.TCPStore(
-                worker_group.master_addr,
-                worker_group.master_port,
-                is_master=False,
-                timeout=STORE_TIMEOUT,
-            )
+            where = (worker_group.master_addr, worker_group.master_port)
+            if self.coordinator is None:
+                client = dist.TCPStore(*where, is_master=False, timeout=STORE_TIMEOUT)
+            else:  # it may restart: calls fail at once while it is down, then reconnect
+                client = self._client = ReconnectingStore(*where, STORE_TIMEOUT, wait_s=0)
+                client.on_reconnect.append(self._coordinator_back)
             self._records = dist.PrefixStore(attempt_prefix(self._attempt), client)
         return self._records
+
+    def _reach_coordinator(self) -> None:
+        """While the coordinator is down, look for it every monitor interval, so that the
+        failure records are published again even when no host watch calls the store."""
+        if self._client is not None and self._client.down_since is not None:
+            try:
+                self._client.check([failures.COUNT_KEY])
+            except CoordinatorDown:
+                pass
+
+    def _coordinator_back(self) -> None:
+        """The coordinator came back with an empty store: this agent's failure records again
+        (the workers read them from a count of 0), and the host watch resumes."""
+        for record in self._made:
+            failures.record(self._records, record)
+        if self._hosts is not None:
+            self._hosts.resume()
 
     def _keep(self, worker_group: WorkerGroup, local_rank: int, code: int, running: int):
         """Record the failure of `local_rank` (exit status `code`) and log it; `running`
@@ -219,8 +250,14 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         failure = self._process_failure(local_rank, code)
         self._kept[local_rank] = failure
         record = self._record(worker_group, local_rank, failure, seen=time.time())
+        self._made.append(record)
         try:
             failures.record(self._records, record)
+        except CoordinatorDown:
+            logger.warning(
+                "megadyn.launch: the coordinator does not answer: the failure is recorded once "
+                "it is back (the survivors wait for it)"
+            )
         except Exception as e:  # noqa: BLE001 - the store went with its host: still keep going
             logger.warning("megadyn.launch: could not record the failure in the store (%s)", e)
         logger.warning(

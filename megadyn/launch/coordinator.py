@@ -11,13 +11,20 @@ it. This process serves that store on its own, so a lost training host, whicheve
 none of them along: the survivors read the lost host's failure records and recover in-process.
 It is torch's TCPStore server and nothing else; it holds no training state and can run on any
 small machine (a login node, a Kubernetes service). `--coordinator HOST:PORT` is torchrun's
-`--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0` (every agent connects
-as a client) and points the workers' MASTER_ADDR and MASTER_PORT at the same store (agent.py).
+c10d rendezvous at HOST:PORT, every agent a client (`--rdzv-backend megadyn`: rendezvous.py),
+and points the workers' MASTER_ADDR and MASTER_PORT at the same store (agent.py).
 
-The coordinator must run as long as the job: if it stops, each worker's heartbeat thread
-(watchdog.py) finds the store silent and ends its worker after --elastic-heartbeat-timeout
-seconds, and a restarted coordinator starts with an empty store (no rendezvous to restart
-into): the job is started again, from its newest checkpoint.
+The coordinator may itself stop and be started again at the same address (a pod rescheduled
+onto the same service, a restarted process); the job trains on. While it is down the
+collectives do not need it: no worker is ended for the silence (watchdog.py), no host is
+declared lost (hosts.py), the agents' loops and torchrun's rendezvous keep-alive go on, each
+process says so in one line. When it is back, its store is empty: every agent and worker
+connects again (store_client.py), publishes what it keeps there (heartbeats, keep-alives,
+failure records, the rendezvous state), says so in one line, and failures are handled
+in-process again. What needs the store meanwhile (a failure, a live layout change's group
+creation) waits for it within its own timeouts; a failure the survivors cannot handle in that
+time takes torchrun's restart path, which needs the coordinator back too. A coordinator that
+never comes back leaves the job training without failure handling until its last step.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.launch import torchrun_env
+from megadyn.launch.store_client import ReconnectingStore
 
 
 def attempt_prefix(restart: int) -> str:
@@ -25,9 +26,14 @@ def attempt_prefix(restart: int) -> str:
     return f"megadyn/attempt_{restart}/"
 
 
-def agent_store(timeout: timedelta) -> dist.TCPStore:
-    """A client of the elastic agent's store (all attempts' keys: wrap it in a PrefixStore)."""
+def agent_store(timeout: timedelta, wait_s: float | None = None) -> dist.Store:
+    """A client of the elastic agent's store (all attempts' keys: wrap it in a PrefixStore).
+    When that store is the coordinator's (`--coordinator`), a client that reconnects after the
+    coordinator's restart (store_client.py), whose calls wait for it up to `wait_s` seconds
+    (default: `timeout`)."""
     env = torchrun_env.current()
+    if env.coordinator:
+        return ReconnectingStore(env.master_addr, env.master_port, timeout, wait_s)
     return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
 
 

@@ -17,7 +17,10 @@ runs `on_failure(dead)`. The elastic controller reads `dead()` at its step bound
 polls, and its recovery agrees in `store` (megadyn/elastic/recovery/agreement.py).
 
 Starting the watch declares that this attempt's workers recover in-process
-(`failures.declare_recovering`): from then on the agent keeps the survivors running.
+(`failures.declare_recovering`): from then on the agent keeps the survivors running. Under
+`--coordinator` the thread's client reconnects when a coordinator comes back (store_client.py):
+it declares that again in the empty store and reads the failure records from a count of 0 (the
+agents publish theirs again); the agreement's client waits for the coordinator while it is down.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from megadyn.core import c10d_compat
 from megadyn.launch import failures, torchrun_env
 from megadyn.launch.console import print_line
 from megadyn.launch.distributed_init import agent_store, attempt_prefix
+from megadyn.launch.store_client import ReconnectingStore
 
 
 class FailureWatch:
@@ -58,10 +62,12 @@ class FailureWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megadyn-failures", daemon=True)
         # the agreement's client: the thread keeps one of its own
+        client = agent_store(timedelta(seconds=30))
         self._reader = dist.PrefixStore(
-            attempt_prefix(torchrun_env.current().restart_count or 0),
-            agent_store(timedelta(seconds=30)),
+            attempt_prefix(torchrun_env.current().restart_count or 0), client
         )
+        if isinstance(client, ReconnectingStore):
+            client.on_reconnect.append(self._coordinator_back)
 
     @classmethod
     def start(
@@ -96,6 +102,11 @@ class FailureWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def _coordinator_back(self) -> None:
+        """A coordinator came back with an empty store (the thread's own call reconnected)."""
+        failures.declare_recovering(self._reader)
+        self._seen = 0
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -20,6 +20,11 @@ set), exactly as an agent records a worker that died under it, so the survivors 
 hosts recover in-process. An agent that finds its own host declared lost (it was stopped, or
 cut off, for longer than the timeout) is fenced: it kills its workers and ends, so processes of
 the old epoch never rejoin the job.
+
+A coordinator that restarts (store_client.py) comes back with an empty store: the agent calls
+`resume()`, which sets the lost hosts' keys again and measures every other agent's silence
+anew from then, so a keep-alive gap that overlaps the outage does not make a host lost; an
+agent that beat before the outage and does not beat again within the timeout after it is.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ class HostWatch:
         self.clock, self.log = clock, log
         self.lost: dict[int, Beat] = {}  # node rank -> its last keep-alive, declared lost here
         self.killed: set[int] = set()  # ranks killed at another host's request
-        self._seen: dict[int, tuple[float, float]] = {}  # node rank -> (its time, when it changed)
+        self._seen: dict[int, tuple[Beat, float]] = {}  # node rank -> (its beat, when it changed)
         self._next = 0.0
 
     def tick(self, agents: int, alive: set[int] | None = None) -> None:
@@ -115,6 +120,15 @@ class HostWatch:
         for other in range(agents):
             if other != self.group_rank and other not in self.lost:
                 self._check(other, now)
+
+    def resume(self) -> None:
+        """The coordinator came back with an empty store: publish the hosts this agent knows
+        are lost again (they stay fenced) and measure the others' silence from now."""
+        now = self.clock()
+        self._seen = {g: (beat, now) for g, (beat, _) in self._seen.items()}
+        self._next = 0.0
+        for group_rank in self.lost:
+            self.store.set(lost_key(group_rank), "declared lost before the coordinator restarted")
 
     def any_lost(self, agents: int) -> bool:
         """Whether any host of the attempt's `agents` was declared lost (by any agent)."""
@@ -142,12 +156,15 @@ class HostWatch:
 
     def _check(self, other: int, now: float) -> None:
         key = host_key(other)
-        if not self.store.check([key]):
+        if self.store.check([key]):
+            beat = Beat.from_json(other, self.store.get(key))
+        elif other in self._seen:  # it beat before the coordinator restarted, not since
+            beat = self._seen[other][0]
+        else:
             return  # not started yet: torchrun's rendezvous waits for it, not this watch
-        beat = Beat.from_json(other, self.store.get(key))
-        seen_time, changed = self._seen.get(other, (None, now))
-        if seen_time != beat.time:
-            self._seen[other] = (beat.time, now)
+        seen, changed = self._seen.get(other, (None, now))
+        if seen is None or seen.time != beat.time:
+            self._seen[other] = (beat, now)
             return
         # measured on this agent's clock from the moment it last saw the keep-alive change:
         # hosts' clocks need not agree

@@ -5,7 +5,8 @@
 
 torchrun (torch.distributed.elastic) starts every worker with its rank, world size, local rank,
 the agent's store address (MASTER_ADDR/MASTER_PORT), the run id and the attempt number
-(`python -m megadyn.launch` adds whether it keeps survivors). A plain
+(`python -m megadyn.launch` adds whether it keeps survivors and whether its store is a
+coordinator's). A plain
 `python pretrain_gpt.py` has none of them: one process, rank 0. Only the standard library is
 imported here: fork_server.py's client reads it before torch is imported.
 """
@@ -16,6 +17,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+COORDINATOR_ENV = "MEGADYN_COORDINATOR"
+"""1 in the workers' environment under `python -m megadyn.launch --coordinator`."""
 HOST_ENV = "MEGADYN_HOST"
 """Names this process's host in megadyn's records when set (tests simulate several hosts on one
 machine, one name per launcher agent); else the host name."""
@@ -55,6 +58,10 @@ class TorchrunEnv:
     """The agent keeps the other workers running when one fails and records the failure in its
     store (MEGADYN_KEEP_SURVIVORS=1, set by `python -m megadyn.launch`: agent.py); False under
     plain torchrun, which stops them all."""
+    coordinator: bool
+    """The agent's store is `python -m megadyn.launch.coordinator`'s, which may restart: the
+    workers reach it through a client that reconnects (MEGADYN_COORDINATOR=1, set by
+    `python -m megadyn.launch --coordinator`: store_client.py)."""
 
     @property
     def under_torchrun(self) -> bool:
@@ -79,4 +86,5 @@ def current() -> TorchrunEnv:
         use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
         keep_survivors=env.get("MEGADYN_KEEP_SURVIVORS") == "1",
+        coordinator=env.get(COORDINATOR_ENV) == "1",
     )

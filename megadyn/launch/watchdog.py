@@ -10,7 +10,7 @@ Each rank runs one daemon thread. Every `interval` seconds it writes, in the att
 of the agent's store (`attempt_prefix`, megadyn/launch/distributed_init.py),
 
     heartbeat/world     the attempt's world size
-    heartbeat/progress  the last completed step, written after every step by the logging rank
+    heartbeat/progress  the last completed step, as the logging rank's thread last saw it
     heartbeat/<rank>    JSON {"time": wall clock, "iteration": last completed step, "host", "pid",
                         "done": true once the rank finished}
 
@@ -23,6 +23,12 @@ that ignores its SIGTERM. A rank that dies is the agent's to notice. When the su
 in-process (`keep_going`, under megadyn.launch), the watchers SIGKILL a silent rank on their
 host, or ask the agent of its host to (hosts.py: `kill/<rank>` in the store), which then
 records it as any dead worker, and go on; ranks recorded dead are no longer watched (`forget`).
+
+Under `python -m megadyn.launch --coordinator` the store may restart (coordinator.py). While
+it does not answer, the thread prints one line and neither beats nor watches: the ranks train
+on, nobody is killed for the outage. When a coordinator comes back at the same address, its
+client reconnects (store_client.py), the thread publishes its keys again, prints one line, and
+the silence of every watched rank is measured anew from then.
 
 The keys outlive the attempt, so a restarted job reads the previous attempt's: the failure is
 dated by the last heartbeat of the rank that went silent first (at most one interval before the
@@ -46,6 +52,7 @@ import torch.distributed as dist
 from megadyn.launch import hosts, startup, torchrun_env
 from megadyn.launch.console import print_line
 from megadyn.launch.distributed_init import agent_store, attempt_prefix
+from megadyn.launch.store_client import CoordinatorDown, ReconnectingStore
 
 WATCHED = 16
 """Ranks each rank watches (the next ones around the ring), so the store's load grows with the
@@ -102,6 +109,7 @@ class Watchdog:
         self.interval = min(1.0, timeout / 10) if timeout else 1.0
         self.print = print_fn
         self.iteration = 0  # written by the training loop, read by the thread
+        self.progress: int | None = None  # the same, on the trainer's logging rank
         self.store = store
         self.attempt_store = dist.PrefixStore(attempt_prefix(restart), store)
         self.beats = dist.PrefixStore(attempt_prefix(restart) + "heartbeat/", store)
@@ -110,6 +118,11 @@ class Watchdog:
         self._reported = False
         self.keep_going = False  # survivors recover in-process: kill a hung rank, stay up
         self._forgotten: set[str] = set()
+        self._seen: dict[str, tuple[bytes, float]] = {}  # key -> (value, when it last changed)
+        self._since = time.monotonic()  # silences are measured from here at the latest
+        self._coordinator_down = False
+        if isinstance(store, ReconnectingStore):
+            store.on_reconnect.append(self._coordinator_back)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megadyn-heartbeat", daemon=True)
 
@@ -120,7 +133,7 @@ class Watchdog:
         restart = torchrun_env.current().restart_count
         if restart is None:
             return None
-        store = agent_store(timedelta(seconds=max(30.0, timeout)))
+        store = agent_store(timedelta(seconds=max(30.0, timeout)), wait_s=0)
         watchdog = cls(store, dist.get_rank(), dist.get_world_size(), timeout, restart, print_fn)
         watchdog.beats.set("world", str(watchdog.world))
         watchdog._beat(done=False)
@@ -133,7 +146,7 @@ class Watchdog:
         after a restart logs the recovery time (on the trainer's logging rank)."""
         self.iteration = trainer.state.iteration
         if trainer.logs:
-            self.beats.set("progress", str(self.iteration))
+            self.progress = self.iteration
         if self._reported or not self.restart:
             return
         self._reported = True
@@ -180,12 +193,25 @@ class Watchdog:
             "done": done,
         }
         self.beats.set(str(self.rank), json.dumps(value))
+        if self.progress is not None:
+            self.beats.set("progress", str(self.progress))
+
+    def _coordinator_back(self) -> None:
+        """A coordinator came back with an empty store (the thread's own call reconnected):
+        publish this rank's keys again and measure every silence from now."""
+        self.beats.set("world", str(self.world))
+        self._beat(done=False)
+        self._seen.clear()
+        self._since = time.monotonic()
+        self._coordinator_down = False
+        self.print(
+            f" watchdog: rank {self.rank}: the coordinator is back: heartbeats published again",
+            flush=True,
+        )
 
     def _run(self) -> None:
-        others = self.watched
-        start = time.monotonic()
-        seen: dict[str, tuple[bytes, float]] = {}  # key -> (value, when it last changed)
-        last_ok = start
+        others, seen = self.watched, self._seen
+        last_ok = time.monotonic()
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
@@ -193,6 +219,16 @@ class Watchdog:
                 present = [k for k in others if k in seen or self.beats.check([k])]
                 values = self.beats.multi_get(present) if present else []
                 last_ok = now
+            except CoordinatorDown as e:  # never a reason to end a worker
+                last_ok = now
+                if not self._coordinator_down:
+                    self._coordinator_down = True
+                    self.print(
+                        f" watchdog: rank {self.rank}: {e}: training goes on; heartbeats and "
+                        "failure handling wait for it to come back",
+                        flush=True,
+                    )
+                continue
             except Exception as e:  # noqa: BLE001 - the store did not answer this time
                 if self.timeout and now - last_ok > self.timeout:
                     self._exit(
@@ -207,7 +243,7 @@ class Watchdog:
             for key in others:
                 if key in self._forgotten:
                     continue
-                value, changed = seen.get(key, (None, start))
+                value, changed = seen.get(key, (None, self._since))
                 if value is not None and json.loads(value)["done"]:
                     continue
                 # a rank not heard from yet gets twice the timeout to start

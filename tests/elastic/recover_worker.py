@@ -13,7 +13,8 @@ span group: a failure while another one is handled, where the survivors wait on 
 RECOVER_TEST_IN_RECONFIGURATION "<rank>:<signal>" (optional): that rank sends itself the signal
 when its first live reconfiguration (an operator's request) starts building the new layout;
 RECOVER_TEST_AWAIT_REQUEST (optional): the leader's first step boundary waits until an
-operator's request is queued.
+operator's request is queued; RECOVER_TEST_STEP_S (optional): seconds each step sleeps before it
+starts (a slower job, for tests that act between steps).
 """
 
 import dataclasses
@@ -35,10 +36,12 @@ from megadyn.training.trainer import Trainer  # noqa: E402
 
 OUT = Path(os.environ["RECOVER_TEST_OUT"])
 RANK = os.environ["RANK"]
+STEP_S = float(os.environ.get("RECOVER_TEST_STEP_S", "0"))
 
 
 def recording(train_step):
     def step(trainer):
+        time.sleep(STEP_S)
         before = len(trainer.draws)
         result = train_step(trainer)
         drawn, trainer.draws = trainer.draws, trainer.draws[before:]

@@ -53,13 +53,13 @@ def coordinator(port: int) -> subprocess.Popen:
     return proc
 
 
-def two_hosts(tmp_path, flags: list[str], on_line, env=None, control_port=None):
-    """Run the job on hosts a and b through a coordinator; returns the agents' exit codes (in
-    the order a, b), the log and the workers' record directory. `env`: more environment for
-    the workers (recover_worker.py)."""
+def two_hosts(tmp_path, flags: list[str], on_line, env=None, control_port=None, port=None):
+    """Run the job on hosts a and b through a coordinator (started here, unless the caller
+    serves one on `port`); returns the agents' exit codes (in the order a, b), the log and the
+    workers' record directory. `env`: more environment for the workers (recover_worker.py)."""
     out = tmp_path / "out"
     out.mkdir()
-    port = free_port()
+    server = None if port else coordinator(port := free_port())
     launch = [sys.executable, "-m", "megadyn.launch", "--nnodes", "2", "--nproc-per-node", "2",
               "--max-restarts", "0", "--coordinator", f"127.0.0.1:{port}",
               "--rdzv-id", "lost-host", "--host-timeout", "2", "--monitor-interval", "0.1",
@@ -67,11 +67,11 @@ def two_hosts(tmp_path, flags: list[str], on_line, env=None, control_port=None):
               "--elastic-control-port", str(control_port or free_port()), *TP2, *flags]  # fmt: skip
     cmds = [["env", f"MEGADYN_HOST={host}", *launch] for host in "ab"]  # env execs: same pid
     env = {"RECOVER_TEST_OUT": str(out), "PYTHONPATH": str(REPO), **(env or {})}
-    server = coordinator(port)
     try:
         codes, log = run_torchrun(cmds, on_line, env=env, deadline_s=150)
     finally:
-        server.kill()
+        if server is not None:
+            server.kill()
     print(log)
     return codes, log, out
 

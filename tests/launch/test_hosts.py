@@ -1,7 +1,8 @@
 """Host keep-alives (megadyn/launch/hosts.py) on one store, with a clock the test moves: a
 silent host is declared lost once, by one agent, its workers recorded as failed; the lost
-host's agent is fenced; a kill request reaches the worker's own agent; and the launcher's
---coordinator flag becomes torchrun's rendezvous flags."""
+host's agent is fenced; a kill request reaches the worker's own agent; a coordinator's restart
+makes no host lost, and a host that does not beat again after it is; and the launcher's
+--coordinator flag becomes torchrun's rendezvous flags (megadyn's backend: rendezvous.py)."""
 
 import signal
 import subprocess
@@ -71,6 +72,26 @@ def test_a_host_whose_worker_was_recorded_keeps_that_record():
     assert store.add(failures.COUNT_KEY, 0) == 2
 
 
+def test_a_coordinator_restart_is_not_a_lost_host():
+    store, clock = dist.HashStore(), Clock()
+    watches, logs = agents(store, clock)
+    tick(watches, clock, 2)
+    watches[0].lost[7] = hosts.Beat(7, "host7", {14: 1}, 0.0)  # declared lost before
+    clock.now += 10  # the coordinator is down for 10 s (> the 2 s timeout): nobody can beat
+    store = dist.HashStore()  # ... and comes back empty
+    for w in watches:
+        w.store = store
+        w.resume()
+    assert store.check([hosts.lost_key(7)])  # still fenced
+    tick(watches, clock, 1.5, skip={2})  # host2's agent has not beaten again: 1.5 s < 2 s
+    assert failures.read(store, 6) == {}
+    tick(watches, clock, 1.5, skip={2})  # ... and does not: lost, silent since the restart
+    assert sorted(failures.read(store, 6)) == [4, 5]
+    assert [line for g in (0, 1) for line in logs[g] if "is lost" in line][0].startswith(
+        "megadyn.launch: host host2 (node rank 2, ranks [4, 5]) is lost"
+    )
+
+
 def test_a_kill_request_reaches_the_workers_own_agent():
     store, clock = dist.HashStore(), Clock()
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -94,7 +115,7 @@ def test_a_kill_request_reaches_the_workers_own_agent():
 def test_the_coordinator_flag_is_torchruns_rendezvous():
     args, _ = parse_args(["--nnodes", "2", "--coordinator", "10.0.0.5:29400", "train.py"])
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf) == (
-        "c10d", "10.0.0.5:29400", "is_host=0",
+        "megadyn", "10.0.0.5:29400", "",
     )  # fmt: skip
     assert args.coordinator == ("10.0.0.5", 29400) and args.host_timeout == 5.0
     for bad, said in [
