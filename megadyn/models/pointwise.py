@@ -137,9 +137,9 @@ class _Recomputed:
 
     __slots__ = ("shape", "stride", "offset")
 
-    def __init__(self, t: torch.Tensor, base: torch.Tensor):
+    def __init__(self, t: torch.Tensor, base_offset: int):
         self.shape, self.stride = t.shape, t.stride()
-        self.offset = t.storage_offset() - base.storage_offset()
+        self.offset = t.storage_offset() - base_offset
 
 
 @contextlib.contextmanager
@@ -152,11 +152,12 @@ def recomputed_in_backward(out: torch.Tensor, fn: Callable, *inputs) -> Iterator
     if not torch.is_grad_enabled() or inside_recompute():
         yield
         return
-    ptr, numel, dtype = out.data_ptr(), out.numel(), out.dtype
+    # the hooks live as long as the tensors they saved: they hold no reference to `out`
+    ptr, numel, dtype, offset = out.data_ptr(), out.numel(), out.dtype, out.storage_offset()
 
     def pack(t: torch.Tensor):
         if t.data_ptr() == ptr and t.numel() == numel and t.dtype == dtype:
-            return _Recomputed(t, out)
+            return _Recomputed(t, offset)
         return t
 
     def unpack(saved):

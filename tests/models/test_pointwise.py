@@ -168,9 +168,9 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     replaced = []
     original = pointwise._Recomputed.__init__
 
-    def counting(self, t, base):
+    def counting(self, t, base_offset):
         replaced.append(tuple(t.shape))
-        original(self, t, base)
+        original(self, t, base_offset)
 
     monkeypatch.setattr(pointwise._Recomputed, "__init__", counting)
     cfg = LLAMA.with_(params_dtype=torch.bfloat16, pointwise_fusion=True)
@@ -184,6 +184,27 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     monkeypatch.setattr(pointwise._Recomputed, "__init__", counting)
     model_step(cfg, COMPILED, RecomputeConfig("full", "uniform", 1))
     assert replaced == []
+
+
+def test_a_recomputed_tensor_is_freed_after_the_forward():
+    """Neither the layer that saved it nor the hooks keep the recomputed tensor alive (the
+    hooks live as long as the graph), and the backward gets it back bit for bit."""
+    import weakref
+
+    from megadyn.models.pointwise import recomputed_in_backward
+
+    y = rand(16, 2, 192, dtype=torch.bfloat16).requires_grad_()
+    w = rand(32, 96, dtype=torch.bfloat16, seed=1).requires_grad_()
+    want = torch.autograd.grad((swiglu(y) @ w.t()).float().square().sum(), (y, w))
+    h = swiglu(y)
+    freed = weakref.ref(h)
+    with recomputed_in_backward(h, swiglu, y):
+        out = h @ w.t()
+    del h
+    assert freed() is None
+    got = torch.autograd.grad(out.float().square().sum(), (y, w))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_the_compiled_dropout_add_drops_and_scales_as_its_backward_says():
