@@ -23,6 +23,7 @@ from megadyn.core.distributed import DistributedDataParallel
 from megadyn.core.optimizer import MixedPrecisionOptimizer
 from megadyn.core.pipeline import MicroBatchGraph, PipelineConfig, check_cuda_graph
 from megadyn.core.tensor_parallel import RNGTracker
+from megadyn.core.tensor_parallel.fp8_cache import weight_caches
 from megadyn.models import GPTConfig, lm_loss_for
 from megadyn.training.build import build_model_parts, no_sync
 from megadyn.training.config import MegadynConfig
@@ -137,6 +138,9 @@ def build_layout_parts(
     if hetero is None:
         parts.cuda_graph = _cuda_graph(cfg, model_cfg, groups.layout, device, say)
         _say_distopt_instances(cfg, groups.layout, say)
+    if parts.cuda_graph is not None:  # replays quantize in the graph: a cache serves the
+        for cache in weight_caches(parts.ddp):  # eager warm-up alone, and raises its peak
+            cache.enabled = False
     if cfg.training.dynamic_parallelism:
         parts.hot = HotSwitch.build(cfg, model_cfg, groups, parts.chunks, device)
         if say is not None:

@@ -17,7 +17,9 @@ view of its bucket's buffer, and the all-gather that writes the updated weights 
 buffer leaves the parameter's counter as it was.
 
 CUDA graph capture bypasses the cache (nothing read or stored): a captured micro batch
-quantizes its weights in each replay. Memory: W and W^T in fp8, 2 bytes per weight element
+quantizes its weights in each replay. Under --enable-cuda-graph the trainer turns the caches off
+(layout_parts.py): they would serve the eager warm-up steps alone and raise the job's peak
+(0.9 GiB on a 1.5B Llama at one GPU, at the same tokens/s). Memory: W and W^T in fp8, 2 bytes per weight element
 held for the step. Tensorwise, the backward keeps W^T in fp8 for each micro batch in flight
 anyway, so the step's peak grows by about 1 byte per element (and under pipeline parallelism
 the micro batches in flight share one W^T); rowwise, whose backward re-quantizes W, by 2.
