@@ -40,6 +40,7 @@ from megadyn.models.pointwise import (
     Fusions,
     add_norm,
     dropout_add,
+    fused_swiglu,
     norm,
     recomputed_in_backward,
     rope_qk,
@@ -216,9 +217,9 @@ class MLP(nn.Module):
         if not self.swiglu:
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
-        h = fn(y)
-        if not self.fusions.swiglu:
-            return self.linear_fc2(h)
+        if fn is swiglu:  # not compiled: the plain ops
+            return self.linear_fc2(swiglu(y))
+        h = fused_swiglu(y, fn)
         with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h
             return self.linear_fc2(h)
 
