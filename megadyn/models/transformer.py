@@ -40,7 +40,6 @@ from megadyn.models.pointwise import (
     Fusions,
     add_norm,
     dropout_add,
-    fused_swiglu,
     norm,
     recomputed_in_backward,
     rope_qk,
@@ -217,9 +216,9 @@ class MLP(nn.Module):
         if not self.swiglu:
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
-        if fn is swiglu:  # not compiled: the plain ops
-            return self.linear_fc2(swiglu(y))
-        h = fused_swiglu(y, fn)
+        h = fn(y)
+        if not self.fusions.swiglu:
+            return self.linear_fc2(h)
         with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h
             return self.linear_fc2(h)
 
