@@ -39,6 +39,19 @@ def _c10d():
     return dist.distributed_c10d
 
 
+_python_stores: list[dist.Store] = []
+
+
+def keep_python_store(store: dist.Store) -> None:
+    """Keep a Python subclass of `dist.Store` referenced for the life of the process. A process
+    group holds its store through a C++ PrefixStore, which keeps only the C++ half of a Python
+    store and calls its Python methods by name: once nothing in Python held the other half,
+    NCCL's first use of a group (after the block that made it) failed with "fn INTERNAL ASSERT
+    FAILED ... Not implemented." (megadyn/elastic/recovery/watched_store.py). Such a subclass
+    must also override every method of `dist.Store`."""
+    _python_stores.append(store)
+
+
 def _require(owner, name: str, used_for: str):
     try:
         return getattr(owner, name)

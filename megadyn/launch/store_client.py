@@ -17,9 +17,7 @@ failure records, the rendezvous state). While the coordinator is down a call wai
 then raises `CoordinatorDown`.
 
 It overrides every method of `dist.Store`, and each instance stays referenced for the life of
-the process (`_alive`): process groups hold it through C++ PrefixStores, which keep only the C++
-half of a Python store and call the Python methods by name
-(megadyn/elastic/recovery/watched_store.py tells what happened when they could not).
+the process (`c10d_compat.keep_python_store` says why).
 """
 
 from __future__ import annotations
@@ -32,13 +30,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megadyn.core import c10d_compat
+
 RETRY_S = 0.5
 """How often a store whose coordinator is gone looks for it again."""
 CONNECT_S = 5.0
 """How long the new client may take to connect once the address answers."""
-
-# every ReconnectingStore made, kept for as long as a group may call it (see the docstring)
-_alive: list[ReconnectingStore] = []
 
 
 class CoordinatorDown(dist.DistNetworkError):
@@ -72,7 +69,7 @@ class ReconnectingStore(dist.Store):
         self._client = client if client is not None else self._tcp_client(timeout)
         self._next_try = 0.0
         self._lock = threading.Lock()
-        _alive.append(self)
+        c10d_compat.keep_python_store(self)
 
     def _tcp_client(self, timeout: timedelta) -> dist.TCPStore:
         client = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)

@@ -16,11 +16,13 @@ import gc
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from megadyn.core import c10d_compat
 from megadyn.elastic.recovery.watched_store import PeerGone, WatchedStore, _Watch, watching_failures
+from megadyn.launch.store_client import ReconnectingStore
 from megadyn.testing import spawn
 
 
@@ -37,18 +39,25 @@ def _as_nccl_uses_it(store: dist.Store, tag: str) -> None:
     store.clone().set(f"{tag}/clone", b"1")
 
 
-def test_watched_store_overrides_every_store_method():
+@pytest.mark.parametrize("cls", [WatchedStore, ReconnectingStore])
+def test_python_stores_override_every_store_method(cls):
     """No call falls through to dist.Store's base methods (C++ calls the Python side by name)."""
-    missing = {n for n in dir(dist.Store) if not n.startswith("_")} - set(vars(WatchedStore))
-    assert missing <= {"timeout"}, f"WatchedStore lacks {sorted(missing)}"
+    missing = {n for n in dir(dist.Store) if not n.startswith("_")} - set(vars(cls))
+    assert missing <= {"timeout"}, f"{cls.__name__} lacks {sorted(missing)}"
 
 
 def test_a_group_store_outlives_the_block_that_made_it():
-    """C++ holds a WatchedStore only through its C++ half: with the Python half collected, a
-    later call by name fails (before the fix: RuntimeError 'Not implemented.')."""
+    """C++ holds a Python store only through its C++ half: with the Python half collected, a
+    later call by name fails (before the fix: RuntimeError 'Not implemented.'). Both of
+    megadyn's Python stores are kept (c10d_compat.keep_python_store)."""
     prefixed = dist.PrefixStore("group_1/", WatchedStore(dist.HashStore(), _Watch(lambda: False)))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    reconnecting = ReconnectingStore("127.0.0.1", server.port, timedelta(seconds=10))
+    prefixed_too = dist.PrefixStore("group_2/", reconnecting)
+    del reconnecting
     gc.collect()
     _as_nccl_uses_it(prefixed, "after")
+    _as_nccl_uses_it(prefixed_too, "after")
 
 
 def _body(rank: int, world: int):

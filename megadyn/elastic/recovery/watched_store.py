@@ -18,8 +18,8 @@ calls on (an NCCL communicator's first use, after the block, waits as it would w
 
 Two rules keep that safe, because C++ (the groups' PrefixStores) holds only the C++ half of a
 Python store, and calls a method of the Python half by name:
-- every `WatchedStore` (clones included) stays referenced from `_alive` for the life of the
-  process. On gloo a group connects inside the block, while the block still held the store; an
+- every `WatchedStore` (clones included) stays referenced for the life of the process
+  (`c10d_compat.keep_python_store`). On gloo a group connects inside the block, while the block still held the store; an
   NCCL group connects at its first collective, after the block: with nothing left holding the
   Python half, its `set` failed with "fn INTERNAL ASSERT FAILED ... Not implemented." and every
   recovery on GPUs ended in the restart path (tests/elastic/test_watched_store.py reproduces
@@ -37,9 +37,6 @@ import torch.distributed as dist
 
 from megadyn.core import c10d_compat
 from megadyn.elastic.recovery.agreement import poll
-
-# every WatchedStore made, kept for as long as a group may call it (see the docstring)
-_alive: list[WatchedStore] = []
 
 
 class PeerGone(RuntimeError):
@@ -61,7 +58,7 @@ class WatchedStore(dist.Store):
         super().__init__()
         self.inner, self.watch = inner, watch
         super().set_timeout(inner.timeout)
-        _alive.append(self)
+        c10d_compat.keep_python_store(self)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
