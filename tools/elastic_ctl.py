@@ -133,7 +133,7 @@ def talk(channel: ControlChannel, request: Request | None, answer_s: float) -> i
 def request_of(a: argparse.Namespace) -> Request:
     """The request the command line asks for (RequestError: refused before it is sent)."""
     if a.command == "drain":
-        return Request(action="drain", rank=a.rank, sent_by="operator")
+        return Request(action="drain", rank=a.rank, by_operator=True)
     if a.command == "layout" and a.pipelines:
         fields = dict(tp=a.tp, pipelines=tuple(a.pipelines), vpp=a.vpp, sp=a.sp)
     elif a.command == "layout":

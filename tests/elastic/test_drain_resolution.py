@@ -113,7 +113,7 @@ def test_a_refused_drain_the_operator_asked_for_changes_nothing():
     # (which got no SIGTERM) goes on
     channel = ControlChannel(connect("127.0.0.1", free_port(), is_server=True, timeout_s=10))
     cfg = config("--elastic-recovery", "restart", "--exit-signal-handler", world=3)
-    rid = channel.submit(Request(action="drain", rank=2, sent_by="operator"))
+    rid = channel.submit(Request(action="drain", rank=2, by_operator=True))
     printed = []
     decision = Drain(channel).decide(
         SimpleNamespace(iteration=7), cfg, None, 1, lambda line, **_: printed.append(line)

@@ -122,7 +122,7 @@ class Drain:
         rid, notice = pending
         leaving = self.queued_ranks()
         if isinstance(notice, Request):
-            signal = notice.sent_by is None
+            signal = not notice.by_operator
             if cfg.elastic.recovery != "in-process":
                 notice = Refusal(notice.rank, "--elastic-recovery restart", signal)
             else:

@@ -75,9 +75,9 @@ class Request:
     """Applied at the first step boundary at or after this iteration."""
     rank: int | None = None
     """The process that leaves the job (a drain; it exits 0)."""
-    sent_by: str | None = None
-    """"operator" for a drain that tools/elastic_ctl.py asked for (refused, it changes
-    nothing); None for the notice of a process that got SIGTERM (control/drain.py)."""
+    by_operator: bool = False
+    """A drain that tools/elastic_ctl.py asked for (refused, it changes nothing); False for the
+    notice of a process that got SIGTERM (control/drain.py)."""
     pipelines: tuple[int, ...] | None = None
     """Stages of each replica of a heterogeneous layout (--heterogeneous-pipelines), e.g.
     (3, 2); tp as given or as now; members follow."""
@@ -94,13 +94,11 @@ class Request:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
         if type(self.at_iteration) is not int or self.at_iteration < 0:
             raise RequestError(f"at_iteration must be an integer >= 0, got {self.at_iteration!r}")
-        for name in ("sp", "release"):
+        for name in ("sp", "release", "by_operator"):
             if type(getattr(self, name)) is not bool:
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if (self.action == "drain") != (self.rank is not None):
             raise RequestError("a drain request, and only a drain request, names a rank")
-        if self.sent_by not in (None, "operator"):
-            raise RequestError(f"sent_by must be 'operator' or absent, got {self.sent_by!r}")
         if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
             raise RequestError(f"rank must be an integer >= 0, got {self.rank!r}")
         if self.action == "drain":
