@@ -7,7 +7,14 @@
 # the job's store, apart from the training hosts) and no training; every other node runs one
 # `python -m megadyn.launch` agent with its 8 workers. When a training node is lost, another
 # agent declares it lost after --host-timeout seconds and the survivors train on in the same
-# processes (docs/recovery.md, "Surviving a lost host").
+# processes (docs/recovery.md, "Surviving a lost host"). To grow the job back, start an agent
+# on a new node with the same command line and --replace-lost-host (from another allocation, or
+# a spare node of this one): it takes the lost node's ranks, which join at a step boundary
+# without restarting the survivors (docs/recovery.md, "A replacement host joining later"):
+#
+#   python -m megadyn.launch --nnodes "1:$TRAIN_NODES" --nproc-per-node 8 \
+#       --coordinator "$COORDINATOR:$PORT" --rdzv-id "$SLURM_JOB_ID" --max-restarts 0 \
+#       --host-timeout 5 --replace-lost-host pretrain_gpt.py <the same flags>
 #SBATCH --job-name=megadyn-gpt
 #SBATCH --nodes=3
 #SBATCH --ntasks-per-node=1

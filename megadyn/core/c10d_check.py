@@ -95,6 +95,7 @@ NAMES = (
     "symmetric_memory",
     "set_sm_carveout",
     "rendezvous_state_refreshed",
+    "replace_default_group",
 )
 
 
@@ -179,6 +180,21 @@ def _checks(device: torch.device) -> dict[str, Callable[[], None]]:
         age = datetime.now(timezone.utc) - fresh.last_heartbeats[node]
         _expect(age < timedelta(minutes=1), f"the keep-alive time is {age} old")
         _expect(fresh.participants == {node: 0}, "the participants changed")
+
+    def replace_default_group():  # last: the other checks use the first default group
+        kept_group, old = dist.new_group(ranks), compat.default_group()
+        store = dist.PrefixStore("c10d_check/replaced/", compat.default_store())
+        n = compat.group_count() + 3
+        compat.replace_default_group(
+            dist.get_backend(), store, rank, world, timedelta(minutes=1), count=n
+        )
+        new = compat.default_group()
+        _expect(new is not old and old not in compat.live_groups(), "the old group is listed")
+        _expect((dist.get_rank(), dist.get_world_size()) == (rank, world), "rank or world moved")
+        _expect(compat.group_count() == n + 1, f"group count {compat.group_count()}, not {n + 1}")
+        _touch(new, device)
+        _touch(kept_group, device)  # a group of the old default group still works
+        _touch(dist.new_group(ranks), device)
 
     checks = {f.__name__: f for f in locals().values() if callable(f) and f is not _expect}
     return {name: checks[name] for name in NAMES}

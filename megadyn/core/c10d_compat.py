@@ -8,7 +8,7 @@
 
 torch does not promise these names (`_world.pg_map`, `_world.group_count`, `_set_pg_timeout`,
 `_get_default_store`, `ProcessGroup.abort`, `_symmetric_memory`, the SM carve-out, the keep-alive
-times inside torchrun's pickled rendezvous state); every other
+times inside torchrun's pickled rendezvous state, the default group's replacement); every other
 module reaches them only through the functions below. Each looks its name up when called and
 raises `TorchChanged`, naming the torch version and what megadyn needed, when the name is gone.
 The same checks run as one self-test on any machine, CPU (gloo) or GPUs (NCCL):
@@ -135,6 +135,31 @@ def abort_group(group) -> None:
     """Abort `group`'s communicators: its pending collectives end (NCCL: without waiting on a
     peer that died)."""
     _require(group, "abort", "abort the communicators of a failed layout")()
+
+
+def replace_default_group(
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, count: int
+) -> None:
+    """A new default group over `store` (same rank and world size), named as if `count` groups
+    had been created, in place of the old one, whose other groups stay as they are (a
+    replacement host's processes join a running job: megadyn/launch/rejoin.py). torch's
+    destroy_process_group() of the default group would destroy every group; here only the old
+    default group's entries leave torch's tables (its sockets close when nothing refers to
+    it). Every process of the new group calls this with the same `count`: torch names the
+    default group by the group count, and its key space in the store by that name."""
+    c10d, world = _c10d(), _world()
+    old = default_group()
+    for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config"):
+        _require(world, table, "replace the default group").pop(old, None)
+    tag = world.pg_to_tag.pop(old, None)
+    for pgs in world.tags_to_pg.values() if tag is not None else ():
+        if old in pgs:
+            pgs.remove(old)
+    world.pg_coalesce_state.pop(old, None)
+    _require(c10d, "_unregister_process_group", "replace the default group")(old.group_name)
+    _require(c10d, "_update_default_pg", "replace the default group")(None)
+    world.group_count = count
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def symmetric_memory():

@@ -5,8 +5,8 @@
     MEGADYN_KEEP_SURVIVORS=0 python -m megadyn.launch ...   # the same
 
 Every flag of torchrun (torch.distributed.run's own parser) means what it means there; the
-added flags, --no-keep-survivors, --host-timeout and --coordinator (agent.py, hosts.py,
-coordinator.py), go before the training script like torchrun's own. With
+added flags, --no-keep-survivors, --host-timeout, --coordinator and --replace-lost-host
+(agent.py, hosts.py, coordinator.py, replacement.py), go before the training script like torchrun's own. With
 survivors kept the workers see MEGADYN_KEEP_SURVIVORS=1 (torchrun_env.keep_survivors) and
 TORCH_NCCL_ASYNC_ERROR_HANDLING=0: NCCL's watchdog then leaves up a process whose communicators
 the in-process recovery aborts (megadyn/launch/failure_watch.py). A user who sets another value
@@ -22,7 +22,7 @@ from argparse import Namespace
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megadyn.launch import rendezvous, torchrun_env
+from megadyn.launch import rendezvous, replacement, torchrun_env
 from megadyn.launch.agent import KEEP_SURVIVORS_ENV, launch
 
 
@@ -61,7 +61,28 @@ def parse_args(argv: list[str]) -> tuple[Namespace, bool]:
         "the job survives the loss of any training host (rank 0's included), and a restart of "
         "the coordinator at the same address (megadyn/launch/store_client.py).",
     )
+    parser.add_argument(
+        "--replace-lost-host",
+        "--replace_lost_host",
+        action="store_true",
+        help="With --coordinator: this host takes the place of a lost host in the running job "
+        "(megadyn/launch/replacement.py): it claims the lost host's slot, starts its ranks, and "
+        "they join at a step boundary without restarting the survivors; the job grows back to "
+        "its first layout. Give the job's --nproc-per-node, --rdzv-id, --max-restarts and "
+        "training script with its flags.",
+    )
+    parser.add_argument(
+        "--replace-wait",
+        "--replace_wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="With --replace-lost-host: how long to wait for a host to be declared lost "
+        "(default 60).",
+    )
     args = parser.parse_args(argv)
+    if args.replace_lost_host and args.coordinator is None:
+        parser.error("--replace-lost-host needs --coordinator HOST:PORT (the job's store)")
     keep = not args.no_keep_survivors and os.environ.get(KEEP_SURVIVORS_ENV, "1") != "0"
     if args.host_timeout < 0:
         parser.error(f"--host-timeout must be >= 0 (0 = off), got {args.host_timeout:g}")
@@ -119,7 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     elif os.environ.get(KEEP_SURVIVORS_ENV) == "1":  # --no-keep-survivors: torchrun's workers
         del os.environ[KEEP_SURVIVORS_ENV]
     host_timeout, coordinator = args.host_timeout, args.coordinator
-    del args.host_timeout, args.coordinator
+    if args.replace_lost_host:
+        os.environ[torchrun_env.COORDINATOR_ENV] = "1"
+        sys.exit(replacement.replace(args, host_timeout, coordinator, args.replace_wait))
+    del args.host_timeout, args.coordinator, args.replace_lost_host, args.replace_wait
     if coordinator is not None:  # the workers' store client reconnects (store_client.py)
         os.environ[torchrun_env.COORDINATOR_ENV] = "1"
     launch(args, keep_survivors=keep, host_timeout_s=host_timeout, coordinator=coordinator)

@@ -6,7 +6,8 @@ Under torchrun every worker reaches the elastic agent's TCPStore at MASTER_ADDR:
 That store outlives the workers, so each restart of the worker group works in a key space of
 its own, `attempt_prefix(TORCHELASTIC_RESTART_COUNT)`: the restarted workers never read keys
 left by the ones that died (their gloo addresses), and can still read what those left on
-purpose (their heartbeats, megadyn/launch/watchdog.py).
+purpose (their heartbeats, megadyn/launch/watchdog.py). A replacement host's worker
+(MEGADYN_REJOIN, rejoin.py) forms the default group of a later epoch with the survivors.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def init_distributed(timeout: timedelta = timedelta(minutes=10)) -> torch.device
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
         restart = env.restart_count
-        if restart is None:
+        if os.environ.get("MEGADYN_REJOIN"):  # a replacement host's worker (rejoin.py)
+            from megadyn.launch import rejoin  # it imports this module
+
+            rejoin.join_default_group(rejoin.rejoin_epoch(), backend, timeout)
+        elif restart is None:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         else:
             store = dist.PrefixStore(attempt_prefix(restart), agent_store(timeout))

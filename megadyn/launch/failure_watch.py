@@ -51,6 +51,7 @@ class FailureWatch:
         abort_nccl: bool = False,
         abort_deadline_s: float = 30.0,
         abort_exit: int = 1,
+        on_revive=None,
     ):
         self.store, self.world, self.timeout_s = store, world, timeout_s
         self.interval, self.on_failure, self.abort_nccl = interval, on_failure, abort_nccl
@@ -58,6 +59,8 @@ class FailureWatch:
         self.trainer = None  # the runtime's current trainer (its last step's CUDA event)
         self.device_done: int | None = None  # set when the NCCL communicators are aborted
         self._dead: dict[int, float] = {}
+        self._dismissed: dict[int, float] = {}  # rank -> the time of its record that is past
+        self.on_revive = on_revive
         self._seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megadyn-failures", daemon=True)
@@ -68,6 +71,8 @@ class FailureWatch:
         )
         if isinstance(client, ReconnectingStore):
             client.on_reconnect.append(self._coordinator_back)
+        if os.environ.get("MEGADYN_REJOIN"):  # a replacement's worker: the records before it
+            self._dismissed = {r: f.time for r, f in failures.read(self._reader, world).items()}
 
     @classmethod
     def start(
@@ -99,6 +104,15 @@ class FailureWatch:
     def dead(self) -> dict[int, float]:
         return dict(self._dead)
 
+    def revive(self, ranks) -> None:
+        """`ranks` run again in a replacement host's processes (megadyn/launch/rejoin.py):
+        their records so far are dismissed; a later record (a new time) counts."""
+        for rank in ranks:
+            if rank in self._dead:
+                self._dismissed[rank] = self._dead.pop(rank)
+        if self.on_revive is not None:
+            self.on_revive(ranks)
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -118,7 +132,11 @@ class FailureWatch:
             except Exception:  # noqa: BLE001 - the store did not answer this time
                 continue
             self._seen = count
-            new = {r: f.time for r, f in records.items() if r not in self._dead}
+            new = {
+                r: f.time
+                for r, f in records.items()
+                if r not in self._dead and f.time != self._dismissed.get(r)
+            }
             if not new:
                 continue
             if self.abort_nccl:

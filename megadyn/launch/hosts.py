@@ -12,6 +12,9 @@ that store outlives every training host). In the attempt's key space:
                                keep-alive, written every `interval` seconds
     hosts/<node rank>/lost     set once, by the first agent that found that keep-alive older
                                than `timeout_s`: the host is lost and fenced
+    hosts/<node rank>/lost/<k> the same for the k-th replacement of that slot (rejoin.py): a
+                               replacement agent beats with `incarnation` k and is fenced by
+                               this key only, while the processes before it stay fenced
     kill/<global rank>         a watcher on another host asks that rank's agent to SIGKILL a
                                worker that stopped beating (watchdog.py)
 
@@ -45,8 +48,9 @@ def host_key(group_rank: int) -> str:
     return f"hosts/{group_rank}"
 
 
-def lost_key(group_rank: int) -> str:
-    return f"hosts/{group_rank}/lost"
+def lost_key(group_rank: int, incarnation: int = 0) -> str:
+    """The fence of node rank `group_rank`'s agent; `incarnation` k: its k-th replacement's."""
+    return f"hosts/{group_rank}/lost" + (f"/{incarnation}" if incarnation else "")
 
 
 def kill_key(rank: int) -> str:
@@ -67,12 +71,15 @@ class Beat:
     ranks: dict[int, int]
     """Its workers: global rank -> pid."""
     time: float
+    incarnation: int = 0
+    """0: the agent of the job's start; k: the agent that replaced that slot's lost host in
+    rejoin epoch k (rejoin.py)."""
 
     @classmethod
     def from_json(cls, group_rank: int, text: bytes | str) -> Beat:
         d = json.loads(text)
         ranks = {int(r): int(p) for r, p in d["ranks"].items()}
-        return cls(group_rank, d["host"], ranks, float(d["time"]))
+        return cls(group_rank, d["host"], ranks, float(d["time"]), int(d.get("incarnation", 0)))
 
 
 class Fenced(Exception):
@@ -93,12 +100,21 @@ class HostWatch:
         interval: float = INTERVAL_S,
         clock=time.time,
         log=print,
+        incarnation: int = 0,
     ):
+        """`incarnation`: 0 for an agent of the job's start, k for the agent that replaced
+        this slot's lost host in rejoin epoch k (its own fence, Beat.incarnation)."""
         self.store, self.group_rank, self.host = store, group_rank, host
+        self.incarnation = incarnation
         self.ranks, self.timeout_s, self.interval = dict(ranks), timeout_s, interval
         self.clock, self.log = clock, log
         self.lost: dict[int, Beat] = {}  # node rank -> its last keep-alive, declared lost here
         self.killed: set[int] = set()  # ranks killed at another host's request
+        # a replacement's: requests made for the lost processes of its ranks are not for it
+        self._stale = {}
+        if incarnation:
+            keys = {r: kill_key(r) for r in self.ranks}
+            self._stale = {r: store.get(k) for r, k in keys.items() if store.check([k])}
         self._seen: dict[int, tuple[Beat, float]] = {}  # node rank -> (its beat, when it changed)
         self._next = 0.0
 
@@ -111,15 +127,24 @@ class HostWatch:
         if now < self._next:
             return
         self._next = now + self.interval
-        if self.store.check([lost_key(self.group_rank)]):
-            raise Fenced(self.store.get(lost_key(self.group_rank)).decode())
+        fence = lost_key(self.group_rank, self.incarnation)
+        if self.store.check([fence]):
+            raise Fenced(self.store.get(fence).decode())
         ranks = {r: p for r, p in self.ranks.items() if alive is None or r in alive}
-        beat = {"host": self.host, "ranks": ranks, "time": now}
-        self.store.set(host_key(self.group_rank), json.dumps(beat))
+        self._beat(ranks, now)
         self._serve_kill_requests(ranks)
         for other in range(agents):
-            if other != self.group_rank and other not in self.lost:
+            if other != self.group_rank and not self._still_lost(other):
                 self._check(other, now)
+
+    def leave(self) -> None:
+        """This agent's workers have all ended: a last keep-alive that lists none, so that
+        its silence from now on is no lost host."""
+        self._beat({}, self.clock())
+
+    def _beat(self, ranks: dict[int, int], now: float) -> None:
+        beat = {"host": self.host, "ranks": ranks, "time": now, "incarnation": self.incarnation}
+        self.store.set(host_key(self.group_rank), json.dumps(beat))
 
     def resume(self) -> None:
         """The coordinator came back with an empty store: publish the hosts this agent knows
@@ -127,8 +152,11 @@ class HostWatch:
         now = self.clock()
         self._seen = {g: (beat, now) for g, (beat, _) in self._seen.items()}
         self._next = 0.0
-        for group_rank in self.lost:
-            self.store.set(lost_key(group_rank), "declared lost before the coordinator restarted")
+        for group_rank, beat in self.lost.items():
+            self.store.set(
+                lost_key(group_rank, beat.incarnation),
+                "declared lost before the coordinator restarted",
+            )
 
     def any_lost(self, agents: int) -> bool:
         """Whether any host of the attempt's `agents` was declared lost (by any agent)."""
@@ -139,13 +167,31 @@ class HostWatch:
         except Exception:  # noqa: BLE001 - the store is away: nothing to wait for either
             return True
 
+    def _still_lost(self, other: int) -> bool:
+        """Whether node rank `other` is lost and not replaced since (rejoin.py): a replacement's
+        keep-alive, of a later incarnation, is watched like any other from then on."""
+        lost = self.lost.get(other)
+        if lost is None:
+            return False
+        key = host_key(other)
+        if self.store.check([key]):
+            beat = Beat.from_json(other, self.store.get(key))
+            if beat.incarnation > lost.incarnation:
+                del self.lost[other]
+                self._seen.pop(other, None)
+                return False
+        return True
+
     def _serve_kill_requests(self, ranks: dict[int, int]) -> None:
         for rank, pid in ranks.items():
             key = kill_key(rank)
             if rank in self.killed or not self.store.check([key]):
                 continue
+            why = self.store.get(key)
+            if why == self._stale.get(rank):
+                continue
             self.killed.add(rank)
-            why = self.store.get(key).decode()
+            why = why.decode()
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -162,6 +208,8 @@ class HostWatch:
             beat = self._seen[other][0]
         else:
             return  # not started yet: torchrun's rendezvous waits for it, not this watch
+        if not beat.ranks:
+            return  # its workers all ended (`leave`): nothing of it to lose
         seen, changed = self._seen.get(other, (None, now))
         if seen is None or seen.time != beat.time:
             self._seen[other] = (beat, now)
@@ -177,11 +225,16 @@ class HostWatch:
         workers as failed, so the survivors recover."""
         self.lost[beat.group_rank] = beat
         why = f"no keep-alive for {silent:.1f} s (seen by node rank {self.group_rank})"
-        if self.store.add(lost_key(beat.group_rank) + "/claims", 1) != 1:
+        fence = lost_key(beat.group_rank, beat.incarnation)
+        if self.store.add(fence + "/claims", 1) != 1:
             return  # another agent declared it
-        self.store.set(lost_key(beat.group_rank), why)
+        self.store.set(fence, why)
         for rank, pid in sorted(beat.ranks.items()):
-            if self.store.check([failures.failed_key(rank)]):
+            key = failures.failed_key(rank)
+            if (
+                self.store.check([key])
+                and failures.WorkerFailure.from_json(self.store.get(key)).pid == pid
+            ):
                 continue  # its own agent recorded it before the host went
             record = failures.WorkerFailure(
                 rank=rank,

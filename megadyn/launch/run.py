@@ -27,7 +27,7 @@ from megadyn.elastic.control.controller import ElasticController, Released
 from megadyn.elastic.control.drain import DrainSignal, Stopped
 from megadyn.elastic.planning.hetero_job import build_groups, job_members
 from megadyn.elastic.recovery.agreement import PeerFailed, RecoveryError
-from megadyn.launch import determinism, fork_server, preemption, startup, torchrun_env
+from megadyn.launch import determinism, fork_server, preemption, rejoin, startup, torchrun_env
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.launch.failure_watch import FailureWatch
 from megadyn.launch.replan import config_for_world
@@ -45,6 +45,8 @@ FAILURE_RECORD_WAIT_S = 10.0
 its workers every --monitor-interval) before taking the error for another one."""
 RECOVERY_EXIT = 76
 """Exit status of a survivor that cannot recover in-process."""
+REJOIN_CONNECT_S = 60.0
+"""How long a replacement host's worker tries to reach the survivors' control store."""
 NCCL_ABORT_DEADLINE_S = 10.0
 """How long a survivor waits for its NCCL communicators' abort before it exits with
 RECOVERY_EXIT (aborting every group at once returned in 0.53 s in scripts/gpu/nccl_abort_probe.py
@@ -119,6 +121,7 @@ def watch_failures(cfg: MegadynConfig, watchdog: Watchdog | None, device) -> Fai
     )
     if watch is not None and watchdog is not None:
         watchdog.keep_going = True
+        watch.on_revive = watchdog.remember  # a replacement host's processes (rejoin.py)
     return watch
 
 
@@ -201,7 +204,19 @@ def run(
             hooks = step_hooks(cfg, watchdog, step_hook)
             return Trainer(cfg, groups, device, state=state, init_weights=False, hooks=hooks)
 
-        channel = control_channel(cfg)
+        joining = rejoin.rejoin_epoch()  # a replacement host's worker (rejoin.py)
+        info = rejoin.joined_info(joining) if joining else None
+        if info is None:
+            channel = control_channel(cfg)
+        else:  # where the survivors' control store is now
+            rank, host = info["control"]
+            address = host or torchrun_env.current().master_addr or "127.0.0.1"
+            channel = control_channel(cfg, rank, address, REJOIN_CONNECT_S)
+        rejoins = None
+        if failures is not None and torchrun_env.current().coordinator:  # replacement.py
+            rejoins = rejoin.Rejoins(
+                lambda: first_members(cfg, device), cfg.parallel.distributed_timeout
+            )
         drain_signal = DrainSignal(received=preemption.received, end=preemption.end)
         controller = ElasticController(
             cfg,
@@ -213,8 +228,12 @@ def run(
             failures=failures,
             resume=resume_snapshot,
             reconnect=lambda rank, host, timeout_s: control_channel(cfg, rank, host, timeout_s),
+            rejoins=rejoins,
         )
         last_hook = controller.step_hook
+        if info is not None:  # it waits as standby until the survivors' transition takes it
+            controller.joined(info)
+            return train_elastic(controller, None, failures)
     layout = first_layout(cfg, dist.get_world_size(), device.type)
     groups = build_groups(layout, job_members(layout, range(dist.get_world_size())),
                           timeout=cfg.parallel.distributed_timeout)  # fmt: skip
@@ -245,6 +264,12 @@ def run(
         close(trainer)
         return RunResult(losses=dict(trainer.loss_by_iteration))
     return train_elastic(controller, trainer, failures)
+
+
+def first_members(cfg: MegadynConfig, device) -> tuple[object, list[int]]:
+    """The job's first layout over every process, and its members."""
+    layout = first_layout(cfg, dist.get_world_size(), device.type)
+    return layout, list(job_members(layout, range(dist.get_world_size())))
 
 
 def train_elastic(

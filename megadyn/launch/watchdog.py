@@ -75,6 +75,13 @@ class PreviousAttempt:
     host: str
 
 
+def attempt_world(store, attempt: int) -> int | None:
+    """The world size attempt `attempt` published in the agent's `store`; None before its
+    workers started (a replacement host reads it: replacement.py)."""
+    beats = dist.PrefixStore(attempt_prefix(attempt) + "heartbeat/", store)
+    return int(beats.get("world")) if beats.check(["world"]) else None
+
+
 def read_previous_attempt(store, attempt: int) -> PreviousAttempt | None:
     """The heartbeats attempt `attempt` left in the agent's `store`; None when it left none."""
     beats = dist.PrefixStore(attempt_prefix(attempt) + "heartbeat/", store)
@@ -173,6 +180,13 @@ class Watchdog:
     def forget(self, ranks) -> None:
         """Stop watching `ranks` (they were recorded dead)."""
         self._forgotten |= {str(r) for r in ranks}
+
+    def remember(self, ranks) -> None:
+        """Watch `ranks` again (a replacement host's processes took them: rejoin.py), their
+        silence measured from now."""
+        for rank in ranks:
+            self._forgotten.discard(str(rank))
+            self._seen.pop(str(rank), None)
 
     def stop(self) -> None:
         """This rank is done: mark it so, and end the thread."""

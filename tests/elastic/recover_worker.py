@@ -14,7 +14,9 @@ RECOVER_TEST_IN_RECONFIGURATION "<rank>:<signal>" (optional): that rank sends it
 when its first live reconfiguration (an operator's request) starts building the new layout;
 RECOVER_TEST_AWAIT_REQUEST (optional): the leader's first step boundary waits until an
 operator's request is queued; RECOVER_TEST_STEP_S (optional): seconds each step sleeps before it
-starts (a slower job, for tests that act between steps).
+starts (a slower job, for tests that act between steps); RECOVER_TEST_AWAIT_REJOIN (optional):
+the leader's first step boundary after a recovery waits until a replacement host's workers are
+ready to join.
 """
 
 import dataclasses
@@ -97,6 +99,25 @@ def awaiting_a_request(leader_decision):
     return decide
 
 
+def awaiting_a_rejoin(rejoin_decision):
+    """The leader's rejoin decision, which at its first call after a recovery waits until a
+    replacement host's workers are ready (failures end the wait as at any step boundary)."""
+
+    waited = False
+
+    def decide(self, trainer):
+        nonlocal waited
+        rejoins = self.rejoins
+        if not waited and self.epoch >= 1 and rejoins is not None and not rejoins.formed:
+            while self.rejoins.offer(self.live) is None:
+                self.check_failures()
+                time.sleep(0.05)
+            waited = True
+        return rejoin_decision(self, trainer)
+
+    return decide
+
+
 def run_and_write(argv: list[str]) -> None:
     Trainer.train_step = recording(Trainer.train_step)
     if os.environ.get("RECOVER_TEST_IN_RECOVERY"):
@@ -109,6 +130,9 @@ def run_and_write(argv: list[str]) -> None:
     if os.environ.get("RECOVER_TEST_AWAIT_REQUEST"):
         leader = controller.ElasticController
         leader._leader_decision = awaiting_a_request(leader._leader_decision)
+    if os.environ.get("RECOVER_TEST_AWAIT_REJOIN"):
+        leader = controller.ElasticController
+        leader._rejoin_decision = awaiting_a_rejoin(leader._rejoin_decision)
     result = main(argv)
     result = dict(dataclasses.asdict(result), losses={str(k): v for k, v in result.losses.items()})
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))

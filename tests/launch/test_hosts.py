@@ -1,8 +1,10 @@
 """Host keep-alives (megadyn/launch/hosts.py) on one store, with a clock the test moves: a
 silent host is declared lost once, by one agent, its workers recorded as failed; the lost
 host's agent is fenced; a kill request reaches the worker's own agent; a coordinator's restart
-makes no host lost, and a host that does not beat again after it is; and the launcher's
---coordinator flag becomes torchrun's rendezvous flags (megadyn's backend: rendezvous.py)."""
+makes no host lost, and a host that does not beat again after it is; a lost host's slot is
+claimed by one replacement only, which has a fence of its own and is watched (and declared lost)
+like any other host; and the launcher's --coordinator flag becomes torchrun's rendezvous flags
+(megadyn's backend: rendezvous.py)."""
 
 import signal
 import subprocess
@@ -11,7 +13,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from megadyn.launch import failures, hosts
+from megadyn.launch import failures, hosts, rejoin
 from megadyn.launch.__main__ import parse_args
 
 
@@ -41,6 +43,34 @@ def tick(watches, clock, seconds, skip=()):
         for w in watches:
             if w.group_rank not in skip:
                 w.tick(agents=len(watches))
+
+
+def test_a_replacement_takes_a_lost_slot_once_and_is_watched_like_any_host():
+    store, clock = dist.HashStore(), Clock()
+    watches, logs = agents(store, clock)
+    assert rejoin.claim(store, 3, 2, "spare") is None  # nothing is lost yet
+    tick(watches, clock, 3)
+    tick(watches, clock, 3, skip={1})  # host1 is lost
+    slot = rejoin.claim(store, 3, 2, "spare")
+    assert (slot.epoch, slot.group_rank, slot.ranks, slot.nnodes) == (1, 1, (2, 3), 3)
+    assert rejoin.claim(store, 3, 2, "other") is None  # one replacement a slot
+    hosts.request_kill(store, 2, "the lost rank 2 was silent")  # meant for the lost process
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        spare = hosts.HostWatch(store, 1, "spare", {2: worker.pid, 3: 203}, 2.0, interval=0.5,
+                                clock=clock, log=logs[1].append, incarnation=slot.epoch)  # fmt: skip
+        watches[1] = spare
+        tick(watches, clock, 3)  # the spare beats: not fenced, not killed, not declared lost
+        assert worker.poll() is None and spare.killed == set()
+    finally:
+        worker.kill()
+    assert store.add(failures.COUNT_KEY, 0) == 2
+    tick(watches, clock, 3, skip={1})  # the spare is lost in turn: its own fence, new records
+    records = failures.read(store, 6)
+    assert records[2].pid == worker.pid and records[3].pid == 203
+    with pytest.raises(hosts.Fenced):
+        tick(watches, clock, 0.5)
+    assert rejoin.claim(store, 3, 2, "third").epoch == 2  # that slot can be replaced again
 
 
 def test_a_silent_host_is_declared_lost_once_and_fenced():

@@ -7,9 +7,11 @@ Every process of the job runs one `ElasticController`. After each training step 
 the leader (the first member) whether to reconfigure; the leader reads drain notices (a process
 got SIGTERM: control/drain.py) and then operator requests from the control store (tools/elastic_ctl.py)
 and answers for all. Standby processes (started by torchrun but outside the layout) wait on the
-next reconfiguration. Layout-free scalars (train state, scheduler, optimizer step) travel in the
-reconfiguration's JSON; tensors move with the reshard plan and executor, straight from process
-to process, without a disk checkpoint.
+next reconfiguration; so do a replacement host's workers (megadyn/launch/rejoin.py), which the
+leader takes in (event "rejoin") once all of them are ready, every process first forming a new
+default group with them. Layout-free scalars (train state, scheduler, optimizer step) travel in
+the reconfiguration's JSON; tensors move with the reshard plan and executor, straight from
+process to process, without a disk checkpoint.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class ElasticController:
         failures: FailureFeed | None = None,
         resume=None,
         reconnect=None,
+        rejoins=None,
     ):
         """`make_trainer(groups, training: dict, step_hook)` builds the trainer (a
         `ReshardableTrainer`) of a standby process that joins, at the progress in `training`,
@@ -91,12 +94,15 @@ class ElasticController:
         recovery/recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
         no replica holds what a dead process held) and `reconnect(rank, host, timeout_s)`
         (the control store hosted anew by process `rank` on `host`, when its host died,
-        reached within `timeout_s`)."""
+        reached within `timeout_s`) and `rejoins` (a replacement host's workers that wait to
+        join, and the default group formed anew with them: megadyn/launch/rejoin.py)."""
         self.cfg, self.channel, self.device = cfg, channel, torch.device(device)
         self.make_trainer, self.print = make_trainer, print_fn
         self.drain = Drain(channel, drain_signal)
         self.failures, self.resume = failures, resume or (lambda trainer: False)
         self.reconnect, self.control_rank = reconnect, 0  # rank 0 hosts the control store
+        self.control_host: str | None = None  # its host, once a recovery moved it
+        self.rejoins = rejoins
         self.epoch = 0
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.finished = False  # the job's end was reached (finish, or Finish while standby)
@@ -178,6 +184,9 @@ class ElasticController:
         straggler = self._straggler_decision(trainer)  # --elastic-straggler-policy
         if straggler is not None:
             return straggler
+        rejoin = self._rejoin_decision(trainer)  # a replacement host's workers are ready
+        if rejoin is not None:
+            return rejoin
         pending = self.channel.pending_request(self.channel.handled())
         if pending is None:
             return NONE
@@ -220,6 +229,34 @@ class ElasticController:
         return self.drain.decide(
             trainer, self.cfg, resolve, self.epoch + 1, self.print, recovers=recovers
         )
+
+    def _rejoin_decision(self, trainer: ReshardableTrainer):
+        """A replacement host's workers, all ready, join: the job's first layout over every
+        rank, the newcomers as standby processes of a new default group (event "rejoin");
+        None when none wait."""
+        offer = None if self.rejoins is None else self.rejoins.offer(self.live)
+        if offer is None:
+            return None
+        rec = reconfiguration(trainer, self.epoch + 1, offer.layout, offer.members, (),
+                              event="rejoin")  # fmt: skip
+        rec = dataclasses.replace(rec, rejoin=offer.epoch, joining=tuple(offer.ranks))
+        self.rejoins.publish(
+            offer.epoch,
+            {
+                "epoch": self.epoch,
+                "live": sorted({*self.live, *offer.ranks}),
+                "members": list(self.members),
+                "control": [self.control_rank, self.control_host],
+            },
+        )
+        self.channel.publish_epoch(rec)
+        return {"epoch": rec.epoch}
+
+    def joined(self, info: dict) -> None:
+        """A replacement host's worker, in the new default group: the controller's state as
+        the survivors' leader published it (rejoin.py); it then waits as standby."""
+        self.epoch, self.live, self.members = info["epoch"], list(info["live"]), info["members"]
+        self.control_rank, self.control_host = info["control"]
 
     def _straggler_decision(self, trainer: ReshardableTrainer):
         """The verdict's straggler excluded or its replica given fewer micro batches, as a
@@ -292,7 +329,7 @@ class ElasticController:
         if self.reconnect is None:
             raise RecoveryError("the control store's host died and nothing can host it anew")
         self.channel = self.drain.channel = self.reconnect(rank, host, timeout_s)
-        self.control_rank = rank
+        self.control_rank, self.control_host = rank, host
         if dist.get_rank() == rank:
             self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
 
@@ -344,6 +381,12 @@ class ElasticController:
         self.members = list(rec.members)
         if rec.event == "drain" and (rec.layout, rec.members) == (rec.old_layout, rec.old_members):
             return self._shrink_live_set(rec, trainer)  # a drained standby process leaves
+
+        if rec.rejoin is not None:  # a new default group with a replacement host's workers
+            self.rejoins.reform(rec.rejoin)
+            if self.failures is not None:
+                self.failures.revive(rec.joining)
+            self.live = sorted({*self.live, *rec.joining})
 
         def prepare():
             if trainer is not None:
@@ -451,6 +494,8 @@ class ElasticController:
                 reason += f", before the request's --at-iteration {at}"
             self.channel.answer(rid, {"status": "refused", "reason": reason})
         self.channel.publish_epoch(Finish(self.epoch + 1))
+        if self.rejoins is not None:  # a replacement host still waiting to join: it exits
+            self.rejoins.close()
 
     def leave_control(self, timeout_s: float = 30.0) -> None:
         """The job finished: this process is done with the control store. Its host (whose exit

@@ -170,6 +170,11 @@ class Reconfiguration:
     """The JSON of the trainer's TrainingState (progress, schedule, optimizer step, scaler)."""
     vocab_size: int
     """The model's vocabulary as trained (the tokenizer's)."""
+    rejoin: int | None = None
+    """A replacement host's workers join (event "rejoin"): every process first forms the
+    default group of this rejoin epoch (megadyn/launch/rejoin.py)."""
+    joining: tuple[int, ...] = ()
+    """Those workers' ranks (they start as standby processes of the new default group)."""
 
     @property
     def iteration(self) -> int:
@@ -192,6 +197,7 @@ class Reconfiguration:
                 "members": tuple(fields["members"]),
                 "release": tuple(fields["release"]),
                 "old_members": tuple(fields["old_members"]),
+                "joining": tuple(fields.get("joining", ())),
             }
         )
 

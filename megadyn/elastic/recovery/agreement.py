@@ -51,6 +51,11 @@ class FailureFeed(Protocol):
         """Ranks recorded dead so far, with the wall time their failure was seen."""
         ...
 
+    def revive(self, ranks) -> None:
+        """`ranks` run again in new processes (a replacement host's): their records so far
+        no longer count; a later failure of theirs does."""
+        ...
+
 
 @dataclass(frozen=True)
 class Holding:
