@@ -30,12 +30,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from megadyn.bench.recovery import ITERATION  # noqa: E402
+from megadyn.training.metrics_log import iterations, read_metrics  # noqa: E402
 
 POLICY_FLAGS = {
     "log": [],
@@ -75,13 +76,9 @@ def stop(proc: subprocess.Popen | None) -> None:
 
 
 def tokens_per_s(metrics: Path) -> dict[int, float]:
-    """Iteration -> tokens/s of the job's --metrics-file."""
-    out = {}
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        r = json.loads(line)
-        if r.get("record") == "iteration" and r.get("tokens_per_sec"):
-            out[r["iteration"]] = r["tokens_per_sec"]
-    return out
+    """Iteration -> tokens/s of the job's --metrics-file (a line cut short by a kill skipped)."""
+    logged = iterations(read_metrics(metrics)) if metrics.exists() else {}
+    return {i: r["tokens_per_sec"] for i, r in logged.items() if r.get("tokens_per_sec")}
 
 
 def median(values: list[float]) -> float | None:
@@ -98,10 +95,13 @@ def run_policy(a: argparse.Namespace, policy: str, flags: list[str], port: int) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(a.nproc), "pretrain_gpt.py", *flags]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    competitor, slowed_at, t0 = None, None, time.monotonic()
+    competitor, slowed_at = None, None
     with open(log_path, "w") as log:
         job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        # a job past --timeout is killed even when it prints nothing more
+        deadline = threading.Timer(a.timeout, lambda: os.killpg(job.pid, signal.SIGKILL))
+        deadline.start()
         try:
             for line in job.stdout:
                 log.write(line)
@@ -111,10 +111,9 @@ def run_policy(a: argparse.Namespace, policy: str, flags: list[str], port: int) 
                         start_competitor(a.slow_gpu, a.competitor_size),
                         int(m.group(1)),
                     )
-                if time.monotonic() - t0 > a.timeout:
-                    os.killpg(job.pid, signal.SIGKILL)
             code = job.wait()
         finally:
+            deadline.cancel()
             stop(competitor)
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
