@@ -44,8 +44,10 @@ TT_ARGS=(--model.name llama3_bench --model.flavor bench --training.seq_len 4096
   --training.local_batch_size 2 --training.steps "$TT_STEPS" --activation_checkpoint.mode none
   --checkpoint.no-enable --metrics.log_freq 1 --compile.enable --lr_scheduler.warmup_steps 2
   --job.dump_folder /tmp/tt_out)
-TT_FP8=(--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise
-  --quantize.linear.float8.filter_fqns output)
+TT_FP8=(--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output)
+# one GPU names the tensorwise recipe; under FSDP torchtitan refuses a recipe name beside the
+# float8 all-gather, which is tensorwise scaling itself
+TT_RECIPE=(--quantize.linear.float8.recipe_name tensorwise)
 TT_FSDP_FP8=(--quantize.linear.float8.enable_fsdp_float8_all_gather
   --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
 
@@ -82,6 +84,7 @@ run() {  # run FRAMEWORK ROW ROUND: one run, its JSON line into results.jsonl
     cmd=(torchrun --standalone --nproc-per-node "$np" "$TITAN_DIR/tt_run.py" "${TT_ARGS[@]}"
       --training.global_batch_size $((8 * np)))
     [[ $row == *fp8 ]] && cmd+=("${TT_FP8[@]}")
+    [[ $row == *fp8 && $np = 1 ]] && cmd+=("${TT_RECIPE[@]}")
     [[ $row == *fp8 && $np -gt 1 ]] && cmd+=("${TT_FSDP_FP8[@]}")
     vars=(PYTHONPATH="/tmp/site:$TITAN_DIR:$TITAN_DIR/tt_shim:$PYTHONPATH" TT_WARMUP="$TT_WARMUP"
       TT_ATTN="${TT_ATTN:-sdpa}")
