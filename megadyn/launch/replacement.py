@@ -35,6 +35,8 @@ from megadyn.launch.watchdog import attempt_world
 
 FENCED_EXIT = 3
 MONITOR_S = 0.1
+
+
 def coordinator_answers(coordinator: tuple[str, int], wait_s: float) -> bool:
     """Whether `coordinator` accepts a TCP connection within `wait_s` seconds (a plain
     connect, so an address with no server costs no store client's error log)."""

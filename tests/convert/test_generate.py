@@ -35,7 +35,9 @@ def test_plain_output_echoes_each_prompt_and_separates_them(sp_trained, capsys):
 
 def readme_commands(script: str) -> list[list[str]]:
     """The documentation's `python tools/<script>` command lines (continuations joined), split."""
-    pages = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    pages = [os.path.join(REPO, "README.md")] + sorted(
+        glob.glob(os.path.join(REPO, "docs", "*.md"))
+    )
     text = "".join(open(p, encoding="utf-8").read() for p in pages).replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines()]
     return [shlex.split(line) for line in lines if line.startswith(f"python tools/{script}")]
