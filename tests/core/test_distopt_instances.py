@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
+from megadyn.launch import determinism
 from megadyn.testing import spawn
 from megadyn.training.arguments import parse_args
 from megadyn.training.trainer import Trainer
@@ -133,7 +134,10 @@ def test_two_instances_train_like_one_and_checkpoints_cross_instances(tmp_path):
 
 def _gpus(rank, world):
     """Two GPUs: one rank per instance, the all-reduce across instances on the buckets' side
-    stream, launched during the backward pass under --overlap-grad-reduce."""
+    stream, launched during the backward pass under --overlap-grad-reduce. Deterministic mode
+    (megadyn/launch/determinism.py): the two runs compared are separate trainings, and without
+    it the attention backward's atomics alone move a weight by 1e-5 (seen on 2 x H200)."""
+    determinism.enable()
     torch.cuda.set_device(rank)
     device = f"cuda:{rank}"
     for bf16 in (False, True):
