@@ -39,6 +39,10 @@ REQUESTS = [  # sent one after another (each tool starts in seconds; the job has
 def test_requests_in_a_row_with_standby_processes(tmp_path):
     port, master = free_port(), free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # each tool starts a Python that imports torch: seconds apiece on a loaded machine, while a
+    # tiny step takes 30 ms. Rank 0 sleeps 5 ms before each forward of its first chunk
+    # (rank_timing.py), so that the job outlasts the six submissions it must answer
+    job_env = dict(env, MEGADYN_TEST_SLOW_RANK="0:0.005")
     job_log = open(tmp_path / "job.log", "w+")
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
@@ -46,7 +50,7 @@ def test_requests_in_a_row_with_standby_processes(tmp_path):
          "--tensor-model-parallel-size", "2", "--elastic-initial-members", "2",
          "--elastic-layout", "pinned", "--elastic-control-port", str(port),
          "--exit-signal-handler", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000"],
-        cwd=ROOT, env=env, stdout=job_log, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=job_env, stdout=job_log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     tools = []
     try:
