@@ -5,7 +5,7 @@ Two simulated hosts of 2 gloo workers each (test_lost_host.py's job: tp 2 x dp 2
 --host-timeout 2, --max-restarts 0) with --elastic-heartbeat-timeout 3. At iteration 2 the
 coordinator is SIGKILLed; it stays down for longer than both timeouts and at least 3 steps, then
 a new coordinator starts on the same port (an empty store). Once every agent and worker said
-that it is back, rank 3 (on host b) is SIGKILLed:
+that it is back, and SETTLE_S later, rank 3 (on host b) is SIGKILLed:
 - iterations advance while the coordinator is down, and nobody is killed or declared lost for
   it: each process says once that it is down and once that it is back;
 - the survivors recover in-process from rank 3's failure, the job exits 0;
@@ -33,6 +33,13 @@ from megadyn.testing import free_port
 
 DOWN_S = 4.0
 """The coordinator's outage: longer than --host-timeout 2 and --elastic-heartbeat-timeout 3."""
+SETTLE_S = 1.0
+"""From the last "is back" line to the kill. A known race, to be fixed in megadyn/launch/agent.py:
+the agent polls its workers, then works with the store (the host watch, which after the restart
+reconnects and publishes again), then lets torchrun's own monitor poll them again when it saw no
+failure; a worker that dies between the two polls is judged by torchrun, which stops the host's
+other workers (seen once in CI right after the restart). The settle keeps the kill out of the
+slow ticks that follow the restart; it does not close the window."""
 WORKER_BACK = re.compile(r"watchdog: rank (\d): the coordinator is back")
 AGENT_BACK = "megadyn.launch: the coordinator 127.0.0.1:{port} is back"
 
@@ -52,6 +59,7 @@ def test_the_job_trains_through_a_coordinator_restart(tmp_path, reference):  # n
 
     def kill_rank_3(agents) -> None:
         pid = next(p for a in agents for p in workers_of(a.pid) if _env(p).get("RANK") == "3")
+        time.sleep(SETTLE_S)
         deadline = time.monotonic() + 10  # its record of the step logged last is written
         while not _recorded(tmp_path / "out" / "rank3.jsonl", state["iteration"]):
             if time.monotonic() > deadline:
