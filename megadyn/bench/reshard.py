@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
-from megadyn.elastic.control.controller import ElasticController, reconfiguration
+from megadyn.elastic.control.controller import ElasticController
+from megadyn.elastic.control.records import reconfiguration
 from megadyn.launch.distributed_init import init_distributed
 from megadyn.training import checkpoint as ckpt
 from megadyn.training.arguments import parse_args

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megadyn.elastic import transition  # noqa: E402
 from megadyn.elastic.control import controller  # noqa: E402
+from megadyn.elastic.control.leader import Leader  # noqa: E402
 from megadyn.elastic.recovery import recovery  # noqa: E402
 from megadyn.launch import errors  # noqa: E402
 from megadyn.launch.run import main  # noqa: E402
@@ -91,8 +92,9 @@ def awaiting_a_request(leader_decision):
 
     def decide(self, trainer):
         nonlocal waited
-        if not waited and self.epoch == 0:  # a store hosted anew after a failure is empty
-            self.channel.store.wait(["request/0"])
+        controller = self.controller
+        if not waited and controller.epoch == 0:  # a store hosted anew after a failure is empty
+            controller.channel.store.wait(["request/0"])
             waited = True
         return leader_decision(self, trainer)
 
@@ -107,10 +109,11 @@ def awaiting_a_rejoin(rejoin_decision):
 
     def decide(self, trainer):
         nonlocal waited
-        rejoins = self.rejoins
-        if not waited and self.epoch >= 1 and rejoins is not None and not rejoins.formed:
-            while self.rejoins.offer(self.live) is None:
-                self.check_failures()
+        controller = self.controller
+        rejoins = controller.rejoins
+        if not waited and controller.epoch >= 1 and rejoins is not None and not rejoins.formed:
+            while rejoins.offer(controller.live) is None:
+                controller.check_failures()
                 time.sleep(0.05)
             waited = True
         return rejoin_decision(self, trainer)
@@ -128,11 +131,9 @@ def run_and_write(argv: list[str]) -> None:
         apply = controller.ElasticController.apply
         transition.build_groups = failing_in(transition.build_groups, spec, apply)
     if os.environ.get("RECOVER_TEST_AWAIT_REQUEST"):
-        leader = controller.ElasticController
-        leader._leader_decision = awaiting_a_request(leader._leader_decision)
+        Leader.decide = awaiting_a_request(Leader.decide)
     if os.environ.get("RECOVER_TEST_AWAIT_REJOIN"):
-        leader = controller.ElasticController
-        leader._rejoin_decision = awaiting_a_rejoin(leader._rejoin_decision)
+        Leader._rejoin_decision = awaiting_a_rejoin(Leader._rejoin_decision)
     result = main(argv)
     result = dict(dataclasses.asdict(result), losses={str(k): v for k, v in result.losses.items()})
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))

@@ -27,7 +27,7 @@ def leader_body(rank, world, port):
     channel.submit(Request(action="scale", members=2, at_iteration=10))
     channel.store.add("request/next", 1)
     channel.store.set("request/2", "{not json")
-    decisions = [controller._leader_decision(trainer) for _ in range(2)]
+    decisions = [controller.leader.decide(trainer) for _ in range(2)]
     controller.finish(trainer)
     results = [channel.result(rid, timeout_s=5) for rid in range(3)]
     return decisions, results, printed, channel.epoch(1), channel.handled()

@@ -4,9 +4,10 @@
     processes) -> REBUILD (groups, model chunks, optimizer, loaders) -> RUNNING
 
 Every process of the job runs one `ElasticController`. After each training step the members ask
-the leader (the first member) whether to reconfigure; the leader reads drain notices (a process
-got SIGTERM: control/drain.py) and then operator requests from the control store (tools/elastic_ctl.py)
-and answers for all. Standby processes (started by torchrun but outside the layout) wait on the
+the leader (the first member) whether to reconfigure; the leader (control/leader.py) reads drain
+notices (a process got SIGTERM: control/drain.py), the straggler verdict, a replacement host's
+readiness and then operator requests from the control store (tools/elastic_ctl.py), and answers
+for all. Standby processes (started by torchrun but outside the layout) wait on the
 next reconfiguration; so do a replacement host's workers (megadyn/launch/rejoin.py), which the
 leader takes in (event "rejoin") once all of them are ready, every process first forming a new
 default group with them. Layout-free scalars (train state, scheduler, optimizer step) travel in
@@ -23,10 +24,8 @@ from functools import cached_property, partial
 import torch
 import torch.distributed as dist
 
-from megadyn.core.hetero_layout import layout_to_dict
-from megadyn.core.layout import Layout
 from megadyn.elastic.config import JobConfig
-from megadyn.elastic.control.channel import NONE, UNCHANGED, ControlChannel
+from megadyn.elastic.control.channel import NONE, ControlChannel
 from megadyn.elastic.control.drain import Drain, DrainSignal, Stopped
 from megadyn.elastic.control.events import (
     Event,
@@ -35,18 +34,10 @@ from megadyn.elastic.control.events import (
     membership_event,
     reconfiguration_event,
 )
+from megadyn.elastic.control.leader import Leader
 from megadyn.elastic.control.protocol import ReshardableTrainer
-from megadyn.elastic.control.records import (
-    Finish,
-    Reconfiguration,
-    Request,
-    RequestError,
-    reconfiguration,
-)
-from megadyn.elastic.control.straggler_action import StragglerAction, resolve_straggler
-from megadyn.elastic.planning.hetero_job import replicas_of
-from megadyn.elastic.planning.layouts import CostModel
-from megadyn.elastic.planning.requests import resolve_drain, resolve_request
+from megadyn.elastic.control.records import Finish, Reconfiguration
+from megadyn.elastic.control.straggler_action import StragglerAction
 from megadyn.elastic.recovery.agreement import FailureFeed, PeerFailed, RecoveryError, poll
 from megadyn.elastic.recovery.recovery import RecoveryContext, recover
 from megadyn.elastic.recovery.retired_groups import RetiredGroups
@@ -112,8 +103,8 @@ class ElasticController:
         self.kept = None  # what the last recovery read from, until its first step ends
         self.retired = RetiredGroups()  # the last layout's groups, destroyed by a thread
         self.events: list[Event] = []
-        self.cost = CostModel()  # the layout planner's, calibrated on measured step times
         self.stragglers = StragglerAction(cfg, print_fn)  # --elastic-straggler-policy
+        self.leader = Leader(self)  # decides for all while this process is the first member
 
     @cached_property
     def env(self) -> TransitionEnv:
@@ -146,18 +137,7 @@ class ElasticController:
             return
         self.drain.send(dist.get_rank())  # after SIGTERM: this process's drain notice
         if dist.get_rank() == groups.grid.members[0]:  # the leader
-            self.channel.publish_state(
-                {
-                    "iteration": it,
-                    "layout": layout_to_dict(groups.layout),
-                    "members": list(groups.grid.members),
-                    "live": self.live,
-                    "epoch": self.epoch,
-                    **replicas_of(groups.layout),
-                    **self.stragglers.state(trainer),
-                }
-            )
-            self.channel.decide(it, self._leader_decision(trainer))
+            self.leader.step_boundary(trainer)  # its state, then its decision for all
         # polled only while failures are watched; otherwise a blocking read of the key
         watching = self.failures is not None
         decision = self.channel.decision(it, self.check_failures if watching else None)
@@ -167,107 +147,6 @@ class ElasticController:
         if "stop" in decision:  # a refused drain under --exit-signal-handler
             raise Stopped(decision["stop"])
         self.apply(self.channel.epoch(decision["epoch"]), trainer)
-
-    def _leader_decision(self, trainer: ReshardableTrainer):
-        if self.recovered_since_boundary:  # a request it cut short goes back to the queue
-            self.recovered_since_boundary = False
-            rid = self.channel.requeue_cut_short()
-            if rid is not None:
-                self.print(
-                    f" elastic: request {rid} was cut short by the failure; it is applied "
-                    "again from the queue",
-                    flush=True,
-                )
-        drain = self._drain_decision(trainer)  # drain notices first: a grace period runs
-        if drain is not None:
-            return drain
-        straggler = self._straggler_decision(trainer)  # --elastic-straggler-policy
-        if straggler is not None:
-            return straggler
-        rejoin = self._rejoin_decision(trainer)  # a replacement host's workers are ready
-        if rejoin is not None:
-            return rejoin
-        pending = self.channel.pending_request(self.channel.handled())
-        if pending is None:
-            return NONE
-        rid, text = pending
-        try:
-            request = Request.from_json(text)
-        except RequestError as e:  # a malformed request (written by another tool)
-            self.channel.mark_handled(rid)
-            return self._refuse(rid, e)
-        if trainer.iteration < request.at_iteration:
-            return NONE
-        self.channel.mark_handled(rid)
-        groups = trainer.groups
-        try:
-            self._calibrate(trainer)
-            layout, members, release = resolve_request(
-                request, trainer.model_cfg, self.cfg, groups, self.live, cost=self.cost
-            )
-        except ValueError as e:  # a LayoutError: the layout rules refuse it
-            return self._refuse(rid, e)
-        rec = reconfiguration(
-            trainer, self.epoch + 1, layout, members, release, event=request.action, request=rid
-        )
-        self.channel.mark_taken(rid)  # until answered: a failure may cut the reconfiguration short
-        self.channel.publish_epoch(rec)
-        return {"epoch": rec.epoch}
-
-    def _drain_decision(self, trainer: ReshardableTrainer):
-        """The oldest drain notice as a reconfiguration (event "drain") or a refusal (stop, or
-        "none"); None when no notice waits."""
-
-        def resolve(rank: int, leaving: set[int]):
-            self._calibrate(trainer)
-            live = [r for r in self.live if r == rank or r not in leaving]
-            return resolve_drain(
-                rank, trainer.model_cfg, self.cfg, trainer.groups, live, cost=self.cost
-            )
-
-        recovers = self.failures is not None  # survivors of a process that ends recover
-        return self.drain.decide(
-            trainer, self.cfg, resolve, self.epoch + 1, self.print, recovers=recovers
-        )
-
-    def _rejoin_decision(self, trainer: ReshardableTrainer):
-        """A replacement host's workers, all ready, join: the job's first layout over every
-        rank, the newcomers as standby processes of a new default group (event "rejoin");
-        None when none wait."""
-        offer = None if self.rejoins is None else self.rejoins.offer(self.live)
-        if offer is None:
-            return None
-        rec = reconfiguration(trainer, self.epoch + 1, offer.layout, offer.members, (),
-                              event="rejoin")  # fmt: skip
-        rec = dataclasses.replace(rec, rejoin=offer.epoch, joining=tuple(offer.ranks))
-        self.rejoins.publish(
-            offer.epoch,
-            {
-                "epoch": self.epoch,
-                "live": sorted({*self.live, *offer.ranks}),
-                "members": list(self.members),
-                "control": [self.control_rank, self.control_host],
-            },
-        )
-        self.channel.publish_epoch(rec)
-        return {"epoch": rec.epoch}
-
-    def joined(self, info: dict) -> None:
-        """A replacement host's worker, in the new default group: the controller's state as
-        the survivors' leader published it (rejoin.py); it then waits as standby."""
-        self.epoch, self.live, self.members = info["epoch"], list(info["live"]), info["members"]
-        self.control_rank, self.control_host = info["control"]
-
-    def _straggler_decision(self, trainer: ReshardableTrainer):
-        """The verdict's straggler excluded or its replica given fewer micro batches, as a
-        reconfiguration (event "straggler", control/straggler_action.py); None when there is none."""
-
-        def resolve(scores):
-            self._calibrate(trainer)
-            t = trainer
-            return resolve_straggler(scores, t.model_cfg, self.cfg, t.groups, self.live, self.cost)
-
-        return self.stragglers.decide(trainer, self.channel, resolve, self.epoch + 1)
 
     # --- failures: the survivors stay up (recovery/recovery.py) ----------------------------------------
     def check_failures(self) -> None:
@@ -349,25 +228,6 @@ class ElasticController:
             self.print(format_event(event), flush=True)
             trainer.log_event("reconfiguration", event.to_dict())
 
-    def _calibrate(self, trainer: ReshardableTrainer) -> None:
-        """Calibrate the layout planner's cost model on this layout's measured step time."""
-        if trainer.step_seconds and isinstance(trainer.groups.layout, Layout):  # a grid's time
-            t = self.cfg.training
-            self.cost.calibrate(
-                trainer.model_cfg,
-                t.global_batch_size,
-                self.cfg.data.seq_length,
-                [(trainer.groups.layout, t.micro_batch_size, t.recompute, trainer.step_seconds)],
-            )
-
-    def _refuse(self, rid: int, reason: Exception):
-        self.channel.answer(rid, {"status": "refused", "reason": str(reason), "then": UNCHANGED})
-        self.print(
-            f" elastic: request {rid} refused: {reason}; training continues on the old layout",
-            flush=True,
-        )
-        return NONE
-
     # --- everyone: one reconfiguration, PLAN -> RESHARD -> REBUILD ---------------------------
     def apply(
         self, rec: Reconfiguration | Finish, trainer: ReshardableTrainer | None
@@ -443,6 +303,12 @@ class ElasticController:
         return trainer
 
     # --- standby processes -------------------------------------------------------------------
+    def joined(self, info: dict) -> None:
+        """A replacement host's worker, in the new default group: the controller's state as
+        the survivors' leader published it (rejoin.py); it then waits as standby."""
+        self.epoch, self.live, self.members = info["epoch"], list(info["live"]), info["members"]
+        self.control_rank, self.control_host = info["control"]
+
     def standby(self) -> ReshardableTrainer | None:
         """Wait for the next reconfiguration that includes this process; return its trainer,
         or None when the job finished."""
@@ -482,17 +348,7 @@ class ElasticController:
         self.retired.join()
         if trainer is None or dist.get_rank() != trainer.groups.grid.members[0]:
             return
-        while (pending := self.channel.pending_request(self.channel.handled())) is not None:
-            rid, text = pending
-            self.channel.mark_handled(rid)
-            reason = f"the job finished at iteration {trainer.iteration}"
-            try:
-                at = Request.from_json(text).at_iteration
-            except RequestError as e:
-                reason, at = str(e), 0
-            if at > trainer.iteration:
-                reason += f", before the request's --at-iteration {at}"
-            self.channel.answer(rid, {"status": "refused", "reason": reason})
+        self.leader.refuse_queued(trainer)
         self.channel.publish_epoch(Finish(self.epoch + 1))
         if self.rejoins is not None:  # a replacement host still waiting to join: it exits
             self.rejoins.close()
