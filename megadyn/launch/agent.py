@@ -37,9 +37,13 @@ Everything else is torchrun's own code: the command line (torch.distributed.run'
 and the summary. `launch` hands this agent class to torch.distributed.launcher.api's
 `launch_agent` (which builds a LocalElasticAgent by that module's name) for the duration of
 the run. Workers started as Python functions (--run-path) keep torchrun's behaviour: only
-worker processes (torchrun's SubprocessContext) are polled one by one here. Once an attempt
-kept survivors its monitoring is this class's alone: torchrun's check for workers stuck in
-uninterruptible sleep (in newer torch versions) no longer runs for that attempt.
+worker processes (torchrun's SubprocessContext) are polled one by one here, once per monitor
+interval, and that one poll decides: in an attempt whose workers recover in-process the agent
+never lets torchrun's monitor poll them again after its store work (a worker dying in between
+would be torchrun's failure, the others stopped); it takes torchrun's monitor only where it
+keeps no survivor. Once an attempt kept survivors its monitoring is this class's alone:
+torchrun's check for workers stuck in uninterruptible sleep (in newer torch versions) no longer
+runs for that attempt.
 """
 
 from __future__ import annotations
@@ -143,12 +147,27 @@ class SurvivorKeepingAgent(LocalElasticAgent):
         self._reach_coordinator()
         self._watch_hosts(worker_group, running)
         new = [lr for lr, code in exits.items() if code not in (None, 0) and lr not in self._kept]
-        if not self._kept and not (new and running and self._survivors_recover(worker_group)):
-            return super()._monitor_workers(worker_group)  # torchrun's decision, as before
+        if not self._kept and not (running and self._survivors_recover(worker_group)):
+            # torchrun's decision, as before: its monitor polls again, and a worker that died
+            # since `exits` is its failure (unless every worker had exited: nothing changes)
+            return super()._monitor_workers(worker_group)
         if not running:  # the last workers exited
             return self._group_result(worker_group, exits, new)
         for local_rank in new:
             self._keep(worker_group, local_rank, exits[local_rank], len(running))
+        if not self._kept:  # nothing failed: torchrun's result for running workers, from `exits`
+            return self._running_result(worker_group)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _running_result(self, worker_group: WorkerGroup) -> RunResult:
+        """torchrun's result for workers that all still run, without polling them again:
+        HEALTHY, unless (in torch versions that check it) one has been in uninterruptible
+        sleep for longer than the agent's timeout."""
+        timeout = getattr(self, "_uninterruptible_state_timeout", 0)
+        if timeout > 0:
+            result = self._check_uninterruptible_state_timeout(worker_group, timeout)
+            if result is not None:
+                return result
         return RunResult(state=WorkerState.HEALTHY)
 
     def _survivors_recover(self, worker_group: WorkerGroup) -> bool:

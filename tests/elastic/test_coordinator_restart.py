@@ -34,12 +34,11 @@ from megadyn.testing import free_port
 DOWN_S = 4.0
 """The coordinator's outage: longer than --host-timeout 2 and --elastic-heartbeat-timeout 3."""
 SETTLE_S = 1.0
-"""From the last "is back" line to the kill. A known race, to be fixed in megadyn/launch/agent.py:
-the agent polls its workers, then works with the store (the host watch, which after the restart
-reconnects and publishes again), then lets torchrun's own monitor poll them again when it saw no
-failure; a worker that dies between the two polls is judged by torchrun, which stops the host's
-other workers (seen once in CI right after the restart). The settle keeps the kill out of the
-slow ticks that follow the restart; it does not close the window."""
+"""From the last "is back" line to the kill: the kill falls after the slow ticks that follow the
+restart. Those ticks once widened a race (seen once in CI): the agent polled its workers, worked
+with the store, then let torchrun's own monitor poll them again, and a worker that died between
+the two polls was judged by torchrun, which stopped the host's other workers. One poll decides
+now (megadyn/launch/agent.py; tests/launch/test_launch_agent.py drives the race)."""
 WORKER_BACK = re.compile(r"watchdog: rank (\d): the coordinator is back")
 AGENT_BACK = "megadyn.launch: the coordinator 127.0.0.1:{port} is back"
 

@@ -3,19 +3,26 @@ survivors. Real launchers and gloo workers (tests/launch/survivor_worker.py): a 
 SIGKILLed after a barrier leaves the others running, they read who died from the agent's store
 and finish, and the job exits 0 (on one host, and with two agents); with the behaviour off, or workers that never said they
 recover, the agent stops them as torchrun does; survivors that give up too take torchrun's
-restart path. pretrain_gpt.py trains under the launcher with torchrun's losses."""
+restart path. One poll of the workers decides a monitor tick: a worker killed during the
+agent's store work is kept when the workers recover in-process, torchrun's failure when they
+do not. pretrain_gpt.py trains under the launcher with torchrun's losses."""
 
 import os
 import re
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
 from megadyn.launch import failures
 from megadyn.launch.__main__ import parse_args, set_worker_environment
+from megadyn.launch.agent import SurvivorKeepingAgent
 from megadyn.testing import free_port
 from tests.tiny import RUN, tiny_args
 
@@ -104,6 +111,58 @@ def test_survivors_that_give_up_take_the_restart_path():
     assert "keep running" in out and "the survivors failed too" in out, out
     assert out.count("attempt 1, keep_survivors=True") == 3, out
     assert all(f"worker {r}: done, sum 3" in out for r in range(3)), out
+
+
+@pytest.mark.parametrize("recovering", [True, False])
+def test_one_poll_decides(recovering, tmp_path, monkeypatch):
+    """Worker 1 runs at the agent's poll and is SIGKILLed during its store work (the host watch).
+    Workers that recover in-process: the agent's tick says HEALTHY from its own poll (torchrun's
+    monitor, polling again, would stop worker 0), and the next tick keeps and records the
+    failure. Workers that never said so: torchrun's decision, worker 0 stopped."""
+    wait = f"import os, time\nwhile not os.path.exists({str(tmp_path / 'go')!r}): time.sleep(0.01)"
+    procs = start_processes(
+        "poll",
+        sys.executable,
+        {lr: ("-c", wait) for lr in range(2)},
+        {lr: {} for lr in range(2)},
+        DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+    )
+    rdzv = SimpleNamespace(use_agent_store=False)
+    spec = WorkerSpec("trainer", 2, rdzv, entrypoint=sys.executable, max_restarts=0)
+    agent = SurvivorKeepingAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "agent")))
+    group = agent._worker_group
+    monkeypatch.setattr(
+        LocalElasticAgent, "_start_workers", lambda self, g: setattr(self, "_pcontext", procs)
+    )
+    try:
+        agent._start_workers(group)
+        for w in group.workers:
+            w.id, w.global_rank = procs.pids()[w.local_rank], w.local_rank
+        store = dist.HashStore()
+        agent._records, agent._recovering = (store, True) if recovering else (None, False)
+        handlers = procs.subprocess_handlers
+
+        def kill_worker_1(worker_group, running):
+            if running == [0, 1]:
+                os.kill(handlers[1].proc.pid, signal.SIGKILL)
+                handlers[1].proc.wait()
+
+        monkeypatch.setattr(agent, "_watch_hosts", kill_worker_1)
+        result = agent._monitor_workers(group)
+        if not recovering:  # torchrun's: the failure, the other worker stopped
+            assert result.state == WorkerState.FAILED, result
+            assert result.failures[1].exitcode == -signal.SIGKILL
+            assert handlers[0].proc.poll() is not None
+            return
+        assert result.state == WorkerState.HEALTHY and handlers[0].proc.poll() is None
+        assert agent._monitor_workers(group).state == WorkerState.HEALTHY  # the next tick
+        assert agent._kept[1].exitcode == -signal.SIGKILL and handlers[0].proc.poll() is None
+        assert failures.read(store, 2)[1].describe().endswith("killed by SIGKILL")
+        (tmp_path / "go").touch()  # worker 0 finishes: the group succeeded
+        assert handlers[0].proc.wait(timeout=10) == 0
+        assert agent._monitor_workers(group).state == WorkerState.SUCCEEDED
+    finally:
+        procs.close()
 
 
 def test_failure_records_through_a_store():
