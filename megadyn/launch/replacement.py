@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,20 @@ from megadyn.launch.watchdog import attempt_world
 
 FENCED_EXIT = 3
 MONITOR_S = 0.1
+
+
+def coordinator_answers(coordinator: tuple[str, int], wait_s: float) -> bool:
+    """Whether `coordinator` accepts a TCP connection within `wait_s` seconds (a plain
+    connect, so an address with no server costs no store client's error log)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection(coordinator, timeout=1.0).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
 
 def running_attempt(client, max_restarts: int) -> int:
@@ -73,6 +88,14 @@ def worker_env(args, slot: rejoin.Slot, local_rank: int, attempt: int, coordinat
 def replace(args, host_timeout_s: float, coordinator: tuple[str, int], wait_s: float) -> int:
     """Claim a lost host's slot and run its workers until they end (module docstring)."""
     nproc = int(args.nproc_per_node)
+    if not coordinator_answers(coordinator, wait_s):  # nothing to claim without it
+        host, port = coordinator
+        print_line(
+            f"megadyn.launch: --replace-lost-host: no coordinator answered at {host}:{port} "
+            f"(--coordinator) within --replace-wait {wait_s:g} s; a replacement host joins a "
+            "running job through the coordinator its hosts were started with"
+        )
+        return 2
     client = ReconnectingStore(*coordinator, timedelta(seconds=30))
     attempt = running_attempt(client, args.max_restarts)
     store = dist.PrefixStore(attempt_prefix(attempt), client)

@@ -180,3 +180,21 @@ def test_the_coordinator_serves_until_told_to_stop():
         assert "megadyn coordinator: stopped" in proc.stdout.read()
     finally:
         proc.kill()
+
+
+def test_a_replacement_without_its_coordinator_says_so_in_one_line(tmp_path):
+    """A mistyped or dead --coordinator: one line naming the flag and the address, exit 2, no
+    traceback and no worker started."""
+    from megadyn.testing import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    port = free_port()  # nothing serves there
+    cmd = [sys.executable, "-m", "megadyn.launch", "--coordinator", f"127.0.0.1:{port}",
+           "--nnodes", "2", "--nproc-per-node", "1", "--replace-lost-host",
+           "--replace-wait", "1", str(script)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out
+    assert f"no coordinator answered at 127.0.0.1:{port} (--coordinator)" in out
+    assert "Traceback" not in out and not (tmp_path / "train.py.ran").exists()
