@@ -4,6 +4,9 @@
   written here from the definition (amax, power-of-two scale from frexp, clamp, round to
   float8, multiply back, fp32 matmul). The CPU's GEMM (fp8.emulated_mm) equals torch's CPU
   torch._scaled_mm bit for bit (too slow to train with, fine on a test's shapes).
+- Tensorwise, the forward saves no fp8 W^T for the backward (x^T, the weight itself and the
+  scales): the backward's W^T, from the step's weight cache or cast again at the forward's
+  scale (the Triton cast too, under the interpreter), gives the same bits.
 - A tiny GPT in fp8 tracks the same GPT without it: loss within 1e-2 relative, each weight
   gradient within 0.25 relative (L2; e4m3 keeps 3 mantissa bits, one rounding of up to
   2^-4 per operand), cosine similarity above 0.97.
@@ -15,6 +18,8 @@
   would differ (the test can tell).
 """
 
+import contextlib
+import importlib.util
 import shlex
 
 import pytest
@@ -98,6 +103,65 @@ def test_layer_equals_reference_quantize_dequantize(recipe, kind):
     assert torch.equal(x.grad, ref_gx.view(16, 2, 64))
     assert torch.equal(layer.weight.grad, ref_gw)
     assert torch.equal(layer.bias.grad, g.sum((0, 1)))
+
+
+def saved_for_backward(layer, x) -> tuple:
+    """(y, [(dtype, shape, bytes) of each tensor the forward saves for the backward that is
+    not the layer's weight itself])."""
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() != layer.weight.data_ptr():  # the parameter: a reference, no copy
+            saved.append((t.dtype, tuple(t.shape), t.numel() * t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return layer(x), saved
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: r.format)
+@pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
+def test_tensorwise_backward_casts_the_weight_again_instead_of_keeping_w_t(recipe, kind):
+    """The forward keeps x^T in fp8, the weight (no copy) and the two scales, no fp8 W^T:
+    the backward takes W^T from the step's weight cache, or without it casts W^T again at
+    the forward's scale, bit for bit the reference either way."""
+    gen = torch.Generator().manual_seed(6)
+    layer = kind(64, 48, None, bias=False, fp8=recipe)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=gen) * 0.05)
+    x = (torch.randn(32, 64, generator=gen) * 3).requires_grad_()
+    g = torch.randn(32, 48, generator=gen) * 1e-3
+    _, ref_gx, ref_gw = reference_grads(recipe, x.detach(), layer.weight.detach(), g)
+    for scope in (contextlib.nullcontext, lambda: weights_fixed([layer])):  # cache off, on
+        x.grad = layer.weight.grad = None
+        with scope():
+            y, saved = saved_for_backward(layer, x)
+            y.backward(g)
+        assert saved == [(recipe.forward_dtype, (64, 32), 64 * 32)] + [(torch.float32, (), 4)] * 2
+        assert torch.equal(x.grad, ref_gx) and torch.equal(layer.weight.grad, ref_gw)
+    assert (layer.fp8.weight_cache.fills, layer.fp8.weight_cache.hits) == (1, 1)  # W^T: cached
+
+
+def given_scale_cast_body(rank, world):
+    from megadyn.core.tensor_parallel.fp8 import AMAX_FLOOR
+    from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
+
+    gen = torch.Generator().manual_seed(8)
+    for dtype, mul in ((torch.float8_e4m3fn, 0.05), (torch.float8_e5m2, 300.0)):
+        w = (torch.randn(96, 80, generator=gen) * mul).to(torch.bfloat16)  # tiles cut at 64
+        q, inv, qt = quantize_tensorwise(w, dtype, FP8_MAX[dtype], AMAX_FLOOR, None, True)
+        again = quantize_tensorwise(w, dtype, FP8_MAX[dtype], AMAX_FLOOR, None, True, inv)
+        assert again[1] is inv
+        for a, b in zip((q, qt), (again[0], again[2])):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_cast_at_a_given_scale_equals_the_amax_cast(monkeypatch):
+    """fp8.requantize's CUDA path, run by Triton's interpreter on CPU tensors (switched on
+    before triton is imported: a spawned process)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spawn(given_scale_cast_body, world=1)
 
 
 def test_bf16_weight_gradient_goes_into_main_grad():
@@ -243,10 +307,13 @@ def cache_body(rank, world, root):
         reference = quantizing_every_micro_batch(plain, groups, range(STEPS))
         assert_equal_steps(train(cached, groups, range(STEPS)), reference, what)
         caches = weight_caches(cached.ddp)
-        per_step = 1 if recipe.recipe == "tensorwise" else 2  # rowwise: W and W^T scaled apart
+        # tensorwise: W and W^T cast in one pass, which every backward takes; rowwise: W and
+        # W^T scaled apart, the first forward and backward quantize
+        per_step = 1 if recipe.recipe == "tensorwise" else 2
+        hits = 2 * MICRO - 1 if recipe.recipe == "tensorwise" else 2 * (MICRO - 1)
         assert len(caches) == 4 * cfg.model.num_layers  # qkv, proj, fc1, fc2
         assert all(c.fills == STEPS * per_step for c in caches), what
-        assert all(c.hits == STEPS * per_step * (MICRO - 1) for c in caches), what
+        assert all(c.hits == STEPS * hits for c in caches), what
         assert all(c.fills == 0 for c in weight_caches(plain.ddp))
         # a live reshard's adopt and a checkpoint load change the weights between steps
         other = build_model_parts(fp8_job(recipe, layout.dp, seed=8), cfg.model, groups, cpu)

@@ -18,9 +18,12 @@ for bit (the CPU tests rely on it), at the price of up to one binade of fp8 rang
 Formats (Megatron's names): 'e4m3' quantizes every operand to float8_e4m3fn (max 448);
 'hybrid' keeps e4m3 for activations and weights and takes float8_e5m2 (max 57344, more
 range, less precision) for the output gradient. Recipes: 'tensorwise' (one scale per
-tensor; the forward's casts also write x^T and W^T in fp8, which the backward GEMMs take,
-so no tensor is cast twice) and 'rowwise' (a scale per row of each GEMM operand; the
-backward re-quantizes x and W, kept in the model's dtype, along the other dimension).
+tensor; the forward's cast of x also writes the x^T in fp8 that the weight-gradient GEMM
+takes; the backward keeps no fp8 W^T per micro batch: it takes the step's cached W^T
+(below), else casts W^T again from W at the forward's scale, the same bits, as the weight
+does not change between a micro batch's forward and backward) and 'rowwise' (a scale per
+row of each GEMM operand; the backward re-quantizes x and W, kept in the model's dtype,
+along the other dimension).
 
 The forward GEMM uses the GPU's fast fp8 accumulation; the backward GEMMs do not. The
 weight gradient is written in the weight's dtype and then added into `main_grad`
@@ -39,7 +42,9 @@ There is no scaling state: scales are computed from the tensors of each step, so
 checkpoints, snapshots and live reshards carry nothing for FP8. Inside one step's
 `forward_backward` each weight is quantized once (its first micro batch: amax, tp all-reduce,
 cast, transposed copy) and reused by the step's other forward and backward passes
-(fp8_cache.py); activations and gradients are quantized at each GEMM.
+(fp8_cache.py); activations and gradients are quantized at each GEMM. Without the cache
+(CUDA graphs, outside a step) a tensorwise backward casts W^T at the scale its forward
+agreed over tp: no amax, no collective.
 
 CUDA needs compute capability 8.9 or newer. On CPU the same quantization runs, and the
 GEMMs multiply the dequantized operands in fp32 (`emulated_mm`: the bits of torch's CPU
@@ -155,7 +160,23 @@ def quantize(
     amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None).float()
     if group_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = pow2_scale(amax, fp8_max)
+    return _cast(t, dtype, pow2_scale(amax, fp8_max), transpose)
+
+
+def requantize(t: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor, transpose=False):
+    """quantize(t, dtype, None, group, transpose) once more, given the `inv_scale` that call
+    returned and t unchanged since: the same bits from the cast alone (no amax, nothing
+    all-reduced: the scale was agreed over `group` then)."""
+    if t.is_cuda:
+        from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
+
+        fp8_max = FP8_MAX[dtype]
+        return quantize_tensorwise(t, dtype, fp8_max, AMAX_FLOOR, None, transpose, inv_scale)
+    return _cast(t, dtype, inv_scale.reciprocal(), transpose)  # exact: a power of two
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, transpose: bool):
+    fp8_max = FP8_MAX[dtype]
     q = (t.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)  # keeps t's strides
     return q.contiguous(), scale.reciprocal(), q.t().contiguous() if transpose else None
 
@@ -213,6 +234,17 @@ class Fp8Gemms:
     def _group(self, sharded: bool):
         return self.tp_group if sharded and group_size(self.tp_group) > 1 else None
 
+    def _weight_t(self, weight: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        """W^T [in, out] in fp8 at the forward's scale (1 / `ws`): the step's cached copy, else
+        cast again from W, which has not changed since the forward (the optimizer steps after
+        every micro batch's backward), so the bits are the forward's."""
+        return self.weight_cache.get(
+            "tensorwise",
+            weight,
+            lambda: requantize(weight, self.recipe.forward_dtype, ws, transpose=True),
+            usable=lambda cached: cached[2] is not None,
+        )[2]
+
     def forward(self, x2d, weight, bias, need_x: bool, need_w: bool):
         """(y [tokens, out] (+ bias), tensors for the backward) from x [tokens, in],
         W [out, in]; `need_x` / `need_w`: the backward computes the input / weight
@@ -226,16 +258,18 @@ class Fp8Gemms:
                 "--micro-batch-size, --seq-length, --hidden-size or --ffn-hidden-size"
             )
         fp8, row = self.recipe.forward_dtype, not self.column
-        if self.recipe.recipe == "tensorwise":  # the backward takes x^T and W^T in fp8
+        if self.recipe.recipe == "tensorwise":  # the backward takes x^T in fp8, W and ws
             xq, xs, xqt = quantize(x2d, fp8, None, self._group(row), transpose=need_w)
-            wq, ws, wqt = self.weight_cache.get(
+            # W^T in the same pass only where the step's cache keeps it for the backward
+            transpose = need_x and self.weight_cache.keeps(weight)
+            wq, ws, _ = self.weight_cache.get(
                 "tensorwise",
                 weight,
-                lambda: quantize(weight, fp8, None, self._group(True), transpose=need_x),
+                lambda: quantize(weight, fp8, None, self._group(True), transpose=transpose),
                 usable=lambda cached: cached[2] is not None or not need_x,
             )
             y = scaled_mm(xq, xs, _col_major(wq), ws, x2d.dtype, x2d.is_cuda, bias)
-            return y, (xqt, xs, wqt, ws)
+            return y, (xqt, xs, weight, ws)
         xq, xs, _ = quantize(x2d, fp8, 1, self._group(row))  # [tokens, 1]
         wq, ws, _ = self.weight_cache.get(  # [out, 1]
             "rowwise", weight, lambda: quantize(weight, fp8, 1, self._group(row))
@@ -249,10 +283,11 @@ class Fp8Gemms:
         after the input gradient's collective has started."""
         gdt, dtype = self.recipe.grad_dtype, g2d.dtype
         if self.recipe.recipe == "tensorwise":
-            xqt, xs, wqt, ws = saved  # x^T [in, t], W^T [in, out]
+            xqt, xs, weight, ws = saved  # x^T [in, t], W [out, in] (the parameter)
             gq, gs, gqt = quantize(g2d, gdt, None, self._group(self.column), transpose=True)
             grad_x = None
             if need_input:  # g [t, out] @ W [out, in]
+                wqt = self._weight_t(weight, ws)
                 grad_x = scaled_mm(gq, gs, _col_major(wqt), ws, dtype)
 
             def weight_grad(wdtype):  # g^T [out, t] @ x [t, in]

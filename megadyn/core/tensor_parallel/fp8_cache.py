@@ -17,12 +17,14 @@ view of its bucket's buffer, and the all-gather that writes the updated weights 
 buffer leaves the parameter's counter as it was.
 
 CUDA graph capture bypasses the cache (nothing read or stored): a captured micro batch
-quantizes its weights in each replay. Under --enable-cuda-graph the trainer turns the caches off
-(layout_parts.py): they would serve the eager warm-up steps alone and raise the job's peak
-(0.9 GiB on a 1.5B Llama at one GPU, at the same tokens/s). Memory: W and W^T in fp8, 2 bytes per weight element
-held for the step. Tensorwise, the backward keeps W^T in fp8 for each micro batch in flight
-anyway, so the step's peak grows by about 1 byte per element (and under pipeline parallelism
-the micro batches in flight share one W^T); rowwise, whose backward re-quantizes W, by 2.
+quantizes its weights in each replay. Under --enable-cuda-graph the trainer turns the caches
+off (layout_parts.py): they would serve the eager warm-up steps alone and raise the job's
+peak (0.9 GiB on a 1.5B Llama at one GPU, at the same tokens/s, measured while the
+tensorwise backward still kept its own fp8 W^T). Memory: W and W^T in fp8, 2 bytes per
+weight element held for the step, by which the step's peak grows: without the cache no
+recipe keeps an fp8 W^T per micro batch in flight (tensorwise casts it again in the backward
+at the forward's scale, rowwise re-quantizes W). The tensorwise backward takes the W^T that
+the forward's cast wrote into the cache.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class WeightCache:
         if self.depth == 0:
             self.entries.clear()
 
+    def keeps(self, weight: torch.Tensor) -> bool:
+        """Whether `get` keeps what it computes for `weight`: inside a scope, enabled, not
+        capturing a CUDA graph."""
+        return self.depth > 0 and self.enabled and not _capturing(weight)
+
     def get(
         self,
         key: str,
@@ -66,7 +73,7 @@ class WeightCache:
     ) -> Any:
         """`compute()`, or inside a scope the value it gave for `key` and this weight
         (same address and version) when `usable(value)` (e.g. it holds the transpose)."""
-        if self.depth == 0 or not self.enabled or _capturing(weight):
+        if not self.keeps(weight):
             return compute()
         stamp = (weight.data_ptr(), weight._version)
         entry = self.entries.get(key)

@@ -10,9 +10,11 @@ Two passes over the tensor instead of the half dozen of the same torch expressio
              transposed into q^T when asked (the backward GEMMs take the other layout);
              program 0 writes 1 / scale, the GEMM's dequantization factor
 
-Between them the amax may be all-reduced over the tensor-parallel group. Every step runs
-on the device, with no host synchronization, so the quantization can be captured in a
-CUDA graph. fp8.quantize gives the same bits with torch operations (CPU, rowwise).
+Between them the amax may be all-reduced over the tensor-parallel group. The cast also runs
+alone, at the scale of a factor it wrote before (fp8.requantize: the backward's W^T, cast
+again at the forward's scale). Every step runs on the device, with no host synchronization,
+so the quantization can be captured in a CUDA graph. fp8.quantize gives the same bits with
+torch operations (CPU, rowwise).
 """
 
 from __future__ import annotations
@@ -49,13 +51,18 @@ def _cast_kernel(
     fp8_max,
     amax_floor,
     TRANSPOSE: tl.constexpr,
+    GIVEN_SCALE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
 ):
-    """One [BM, BN] tile of t [rows, cols] to q (and, with TRANSPOSE, q^T [cols, rows])."""
-    amax = tl.maximum(tl.load(amax_ptr), amax_floor)
-    quotient = tl.math.div_rn(fp8_max, amax)
-    scale = (quotient.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    """One [BM, BN] tile of t [rows, cols] to q (and, with TRANSPOSE, q^T [cols, rows]);
+    with GIVEN_SCALE at the scale whose inverse `inv_ptr` holds (amax_ptr unread)."""
+    if GIVEN_SCALE:
+        scale = tl.math.div_rn(1.0, tl.load(inv_ptr))  # exact: a power of two
+    else:
+        amax = tl.maximum(tl.load(amax_ptr), amax_floor)
+        quotient = tl.math.div_rn(fp8_max, amax)
+        scale = (quotient.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     r = (pid_m.to(tl.int64) * BM + tl.arange(0, BM))[:, None]  # [BM, 1]
     c = (pid_n.to(tl.int64) * BN + tl.arange(0, BN))[None, :]  # [1, BN]
@@ -65,8 +72,9 @@ def _cast_kernel(
     tl.store(q_ptr + r * cols + c, q, mask=inside)
     if TRANSPOSE:  # [BN, BM] tile of q^T
         tl.store(qt_ptr + tl.trans(c) * rows + tl.trans(r), tl.trans(q), mask=tl.trans(inside))
-    if (pid_m == 0) & (pid_n == 0):
-        tl.store(inv_ptr, 1.0 / scale)  # exact: scale is a power of two
+    if not GIVEN_SCALE:
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(inv_ptr, 1.0 / scale)  # exact: scale is a power of two
 
 
 def quantize_tensorwise(
@@ -76,21 +84,28 @@ def quantize_tensorwise(
     amax_floor: float,
     group=None,
     transpose: bool = False,
+    inv_scale: torch.Tensor | None = None,
 ):
     """(q, inv_scale, q^T or None) of fp8.quantize(t, dtype, None, group) for a CUDA tensor
-    t [rows, cols]; q^T [cols, rows] is written by the same pass."""
+    t [rows, cols]; q^T [cols, rows] is written by the same pass. With `inv_scale` (fp8.
+    requantize) the cast pass alone, at that scale: no amax, no all-reduce."""
     t = t.contiguous()
-    n = t.numel()
-    amax = torch.zeros((), dtype=torch.float32, device=t.device)
-    _amax_kernel[(triton.cdiv(n, BLOCK),)](t, amax, n, BLOCK=BLOCK)
-    if group_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    given = inv_scale is not None
+    if given:
+        amax = inv = inv_scale
+    else:
+        n = t.numel()
+        amax = torch.zeros((), dtype=torch.float32, device=t.device)
+        _amax_kernel[(triton.cdiv(n, BLOCK),)](t, amax, n, BLOCK=BLOCK)
+        if group_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        inv = torch.empty((), dtype=torch.float32, device=t.device)
     rows, cols = t.shape
     q = torch.empty(t.shape, dtype=dtype, device=t.device)
     qt = torch.empty((cols, rows), dtype=dtype, device=t.device) if transpose else q
-    inv = torch.empty((), dtype=torch.float32, device=t.device)
     grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
     _cast_kernel[grid](
-        t, amax, q, qt, inv, rows, cols, fp8_max, amax_floor, TRANSPOSE=transpose, BM=TILE, BN=TILE
-    )
+        t, amax, q, qt, inv, rows, cols, fp8_max, amax_floor,
+        TRANSPOSE=transpose, GIVEN_SCALE=given, BM=TILE, BN=TILE,
+    )  # fmt: skip
     return q, inv, qt if transpose else None

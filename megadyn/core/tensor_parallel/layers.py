@@ -82,7 +82,7 @@ class _LinearAsyncReduce(torch.autograd.Function):
             return y
         if group_size(output_group) > 1 and bias is not None:
             raise ValueError("a summed output takes its bias after the sum")
-        if fp8 is not None:  # fp8 operands (tensorwise: x and W kept in fp8 for backward)
+        if fp8 is not None:  # fp8 operands (tensorwise: x^T kept in fp8 for the backward)
             x2d, (need_x, need_w) = x.reshape(-1, x.shape[-1]), ctx.needs_input_grad[:2]
             y, saved = fp8.forward(x2d, weight, bias, need_x, need_w)  # [tokens, out]
             ctx.save_for_backward(*saved)
