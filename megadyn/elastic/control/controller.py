@@ -17,7 +17,6 @@ process to process, without a disk checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from functools import cached_property, partial
 
@@ -29,7 +28,6 @@ from megadyn.elastic.control.channel import NONE, ControlChannel
 from megadyn.elastic.control.drain import Drain, DrainSignal, Stopped
 from megadyn.elastic.control.events import (
     Event,
-    FailureEvent,
     format_event,
     membership_event,
     reconfiguration_event,
@@ -37,9 +35,9 @@ from megadyn.elastic.control.events import (
 from megadyn.elastic.control.leader import Leader
 from megadyn.elastic.control.protocol import ReshardableTrainer
 from megadyn.elastic.control.records import Finish, Reconfiguration
+from megadyn.elastic.control.recovering import ControllerRecovery
 from megadyn.elastic.control.straggler_action import StragglerAction
-from megadyn.elastic.recovery.agreement import FailureFeed, PeerFailed, RecoveryError, poll
-from megadyn.elastic.recovery.recovery import RecoveryContext, recover
+from megadyn.elastic.recovery.agreement import FailureFeed, PeerFailed
 from megadyn.elastic.recovery.retired_groups import RetiredGroups
 from megadyn.elastic.recovery.rng_handover import publish_rng, restore_rng
 from megadyn.elastic.reshard.plan import Plan
@@ -82,7 +80,7 @@ class ElasticController:
         weights uninitialized: they arrive through the reshard; the caller above this package
         provides it (megadyn/launch/run.py), as it provides `drain_signal` (SIGTERM), the
         failure records (`failures`: survivors of a failed process recover in-process,
-        recovery/recovery.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
+        control/recovering.py), `resume(trainer) -> bool` (load the newest in-memory snapshot, when
         no replica holds what a dead process held) and `reconnect(rank, host, timeout_s)`
         (the control store hosted anew by process `rank` on `host`, when its host died,
         reached within `timeout_s`) and `rejoins` (a replacement host's workers that wait to
@@ -98,13 +96,12 @@ class ElasticController:
         self.live = list(range(dist.get_world_size()))  # processes that take part in group builds
         self.finished = False  # the job's end was reached (finish, or Finish while standby)
         self.members: list[int] = []  # the layout's, known to standby processes too
-        self._recovered: tuple[FailureEvent, float] | None = None  # its first step is still to time
         self.recovered_since_boundary = False  # the leader then looks for a request cut short
-        self.kept = None  # what the last recovery read from, until its first step ends
         self.retired = RetiredGroups()  # the last layout's groups, destroyed by a thread
         self.events: list[Event] = []
         self.stragglers = StragglerAction(cfg, print_fn)  # --elastic-straggler-policy
         self.leader = Leader(self)  # decides for all while this process is the first member
+        self.recovery = ControllerRecovery(self)  # the survivors' side of a failure
 
     @cached_property
     def env(self) -> TransitionEnv:
@@ -128,9 +125,8 @@ class ElasticController:
         it = trainer.iteration
         self.members = list(groups.grid.members)
         self.retired.start()  # the last layout's groups, once the new layout took a step
-        if self._recovered is not None:
-            self._log_recovery(trainer)
-        self.check_failures()
+        self.recovery.after_step(trainer)  # a recovery's line, once its first step is timed
+        self.recovery.check_failures()
         self.stragglers.after_step(trainer)  # a straggler action's line, once timed after
         interval = max(1, self.cfg.elastic.control_interval)
         if it % interval:
@@ -140,7 +136,7 @@ class ElasticController:
             self.leader.step_boundary(trainer)  # its state, then its decision for all
         # polled only while failures are watched; otherwise a blocking read of the key
         watching = self.failures is not None
-        decision = self.channel.decision(it, self.check_failures if watching else None)
+        decision = self.channel.decision(it, self.recovery.check_failures if watching else None)
         if decision == NONE:
             self.drain.fall_back_if_refused()
             return
@@ -148,85 +144,15 @@ class ElasticController:
             raise Stopped(decision["stop"])
         self.apply(self.channel.epoch(decision["epoch"]), trainer)
 
-    # --- failures: the survivors stay up (recovery/recovery.py) ----------------------------------------
+    # --- failures (control/recovering.py): the names launch/run.py and the tests call --------
     def check_failures(self) -> None:
-        """Raise PeerFailed when a member of the layout was recorded dead; a dead standby
-        process only leaves the live set."""
-        dead = self.failures.dead() if self.failures is not None else {}
-        gone = [r for r in dead if r in self.live]
-        if not gone:
-            return
-        if any(r in self.members for r in gone):
-            raise PeerFailed(f"rank(s) {gone} failed")
-        self.live = [r for r in self.live if r not in dead]
+        self.recovery.check_failures()
 
     def failed(self, timeout_s: float) -> bool:
-        """After a collective raised: whether a member's failure is recorded within
-        `timeout_s` (else the error is not a peer's death)."""
-        if self.failures is None:
-            return False
-
-        def member_failed():
-            try:
-                self.check_failures()
-            except PeerFailed:
-                return True
-            return None
-
-        return poll(member_failed, timeout_s) is not None
+        return self.recovery.failed(timeout_s)
 
     def recover(self, trainer: ReshardableTrainer | None) -> ReshardableTrainer | None:
-        """The survivors' recovery (recovery/recovery.py): the trainer this process runs next, None
-        when it waits as standby."""
-        self.retired.join(timeout_s=10.0)  # NCCL's abort ends a shutdown that waits on the dead
-        ctx = RecoveryContext(
-            cfg=self.cfg,
-            env=self.env,
-            feed=self.failures,
-            live=self.live,
-            kept=self.kept,
-            control_rank=self.control_rank,
-            rehost=self.rehost_control,
-        )
-        self.kept = None
-        recovered = recover(ctx, trainer)
-        self.kept, self.live = recovered.kept, recovered.live
-        self.epoch += 1
-        self.recovered_since_boundary = True
-        self.members = list(recovered.event.members)
-        event = dataclasses.replace(recovered.event, epoch=self.epoch)
-        if recovered.trainer is not None:  # its line comes after the first step
-            self._recovered = (event, time.perf_counter())
-        else:
-            self.events.append(event)
-        return recovered.trainer
-
-    def rehost_control(self, rank: int, host: str, timeout_s: float) -> None:
-        """The control store's host died: process `rank` (on `host`) serves a new one on the
-        same port, empty (a request that was queued is lost and has to be sent again); the
-        others reach it within `timeout_s` (the recovery's time) or fail."""
-        if self.reconnect is None:
-            raise RecoveryError("the control store's host died and nothing can host it anew")
-        self.channel = self.drain.channel = self.reconnect(rank, host, timeout_s)
-        self.control_rank, self.control_host = rank, host
-        if dist.get_rank() == rank:
-            self.print(f" elastic: rank {rank} ({host}) now hosts the control store", flush=True)
-
-    def _log_recovery(self, trainer: ReshardableTrainer) -> None:
-        """After the first step since a recovery: its line (on the last member), with the
-        first step's seconds and the total from the failure's record."""
-        event, t_done = self._recovered
-        self._recovered = self.kept = None
-        event = dataclasses.replace(
-            event,
-            first_step_s=round(time.perf_counter() - t_done, 4),
-            total_s=round(time.time() - event.failed_at, 4),
-            completed=trainer.iteration,
-        )
-        self.events.append(event)
-        if dist.get_rank() == trainer.groups.grid.members[-1]:
-            self.print(format_event(event), flush=True)
-            trainer.log_event("reconfiguration", event.to_dict())
+        return self.recovery.recover(trainer)
 
     # --- everyone: one reconfiguration, PLAN -> RESHARD -> REBUILD ---------------------------
     def apply(
@@ -234,7 +160,7 @@ class ElasticController:
     ) -> ReshardableTrainer | None:
         """Carry out reconfiguration `rec`; returns the trainer this process runs next (or None
         for `Finish`); raises Released when this process leaves the layout."""
-        self.epoch, self.kept = rec.epoch, None
+        self.epoch, self.recovery.kept = rec.epoch, None
         self.retired.join()  # torch's group tables are not for two threads at once
         if isinstance(rec, Finish):
             return None
@@ -317,15 +243,15 @@ class ElasticController:
         def poll():  # after SIGTERM: the drain notice, and SIGTERM's end if it is refused
             self.drain.send(rank)
             self.drain.fall_back_if_refused()
-            self.check_failures()  # a member died: this process may take its place
+            self.recovery.check_failures()  # a member died: this process may take its place
 
         while True:
             try:
                 rec = self.channel.wait_epoch(self.epoch + 1, on_poll=poll)
             except (PeerFailed, RuntimeError) as e:  # the control store's host may have died
-                if not isinstance(e, PeerFailed) and not self.failed(STORE_FAILURE_WAIT_S):
+                if not isinstance(e, PeerFailed) and not self.recovery.failed(STORE_FAILURE_WAIT_S):
                     raise
-                trainer = self.recover(None)
+                trainer = self.recovery.recover(None)
                 if trainer is not None:
                     return trainer
                 continue
