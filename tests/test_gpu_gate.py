@@ -149,20 +149,28 @@ def test_hard_bound_holds_on_h100_and_h200_only():
     assert report.live_change_problems(other, None, H100) == []  # no bound for that one
 
 
-def test_previous_check_is_the_last_line_of_the_same_device():
+def test_previous_check_is_the_median_of_the_last_lines_of_the_same_device():
     lines = [
+        line(H100, [previous_entry(0.9, 2.0)]),  # fourth from the end: not counted
         line(H100, [previous_entry(0.4, 1.0)]),
         line("NVIDIA H200", [previous_entry(0.3, 0.9)]),
         "not json",
         line(H100, [{"name": "fp8", "passed": True, "figure": 0.01}]),  # an --only run
+        line(H100, [previous_entry(0.2, 1.2)]),
         line(H100, [previous_entry(0.5, 1.1)]),
         line("NVIDIA H200", [{"name": "fp8"}]),
     ]
-    assert report.previous_check(lines, H100, "live_change")["changes"][0]["total_s"] == 0.5
-    assert (
-        report.previous_check(lines, "NVIDIA H200", "live_change")["changes"][0]["total_s"] == 0.3
-    )
+    h100 = report.previous_check(lines, H100, "live_change")
+    assert h100["lines"] == 3
+    assert h100["changes"] == [{"change": DP2_TP2, "total_s": 0.4, "first_step_s": 1.1}]
+    h200 = report.previous_check(lines, "NVIDIA H200", "live_change")
+    assert h200["lines"] == 1 and h200["changes"][0]["total_s"] == 0.3
     assert report.previous_check(lines, "cpu", "live_change") is None
+    # one fast run among slower ones does not set the bar (the 0.16 s tp 2 -> pp 2 of c041803)
+    runs = [line(H100, [previous_entry(t, 1.0)]) for t in (0.218, 0.207, 0.164)]
+    bar = report.previous_check(runs, H100, "live_change")
+    now = [{"change": DP2_TP2, "total_s": 0.234, "first_step_s": 1.04}]
+    assert report.live_change_problems(now, bar, "A100") == []
 
 
 def test_live_change_verdict_needs_both_changes_and_the_whole_job():

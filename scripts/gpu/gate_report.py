@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,11 @@ FP8_REL_TOL = 0.03
 """Largest relative lm-loss difference of FP8 from bf16 over a few steps (BENCHMARKS.md saw
 2.1% over 200 steps of the default job)."""
 REGRESSION = 1.25
-"""A live change more than 25% slower (total or first step) than the same change in the
-previous line of docs/gpu-checks.jsonl from the same device fails."""
+"""A live change more than 25% slower (total or first step) than the same change's median over
+the last REGRESSION_LINES lines of docs/gpu-checks.jsonl from the same device fails."""
+REGRESSION_LINES = 3
+"""How many earlier lines the regression rule takes the median of: one unusually fast run (tp 2
+-> pp 2 took 0.16 s once among 0.21-0.23 s) must not set the bar for the next."""
 LIVE_CHANGE_BOUNDS = {
     # dp 2 -> tp 2 of the 1.42B reference model on H100 / H200 (issue 36): the reshard and
     # rebuild at most 0.8 s, the first step after it at most 2.1 s (a step is ~0.35 s; the first
@@ -145,8 +149,10 @@ def device_of(nvidia_smi_names: str) -> dict[str, Any]:
 
 
 def previous_check(lines: list[str], device_name: str, check: str) -> dict[str, Any] | None:
-    """The entry of `check` in the last line of docs/gpu-checks.jsonl from a device of the same
-    name that ran it (lines that do not parse are skipped)."""
+    """The entry of `check` the regression rule compares with: from the last REGRESSION_LINES
+    lines of docs/gpu-checks.jsonl from a device of the same name that ran it (lines that do
+    not parse are skipped), each change's seconds are the median over those lines."""
+    entries = []
     for line in reversed(lines):
         try:
             record = json.loads(line)
@@ -154,10 +160,24 @@ def previous_check(lines: list[str], device_name: str, check: str) -> dict[str, 
             continue
         if not isinstance(record, dict) or record.get("device", {}).get("name") != device_name:
             continue
-        for entry in record.get("checks", []):
-            if entry.get("name") == check:
-                return entry
-    return None
+        entry = next((e for e in record.get("checks", []) if e.get("name") == check), None)
+        if entry is not None and (entry.get("changes") or check != "live_change"):
+            entries.append(entry)  # a live_change entry without changes (1 GPU) is skipped
+        if len(entries) == REGRESSION_LINES:
+            break
+    if not entries:
+        return None
+    seconds: dict[str, dict[str, list[float]]] = {}
+    for entry in entries:
+        for c in entry.get("changes", []):
+            for key, value in c.items():
+                if key != "change" and isinstance(value, (int, float)):
+                    seconds.setdefault(c["change"], {}).setdefault(key, []).append(value)
+    changes = [
+        {"change": change, **{k: statistics.median(v) for k, v in keys.items()}}
+        for change, keys in seconds.items()
+    ]
+    return {**entries[0], "changes": changes, "lines": len(entries)}
 
 
 def select_checks(names: list[str], only: str = "", skip: str = "") -> list[str]:
@@ -309,8 +329,8 @@ def live_change_problems(
     changes: list[dict[str, Any]], previous: dict[str, Any] | None, device_name: str
 ) -> list[str]:
     """Why the live changes fail the gate: over the hard bound (H100/H200) or more than
-    REGRESSION x the same change's seconds in `previous` (the check's entry in the previous
-    line of the same device)."""
+    REGRESSION x the same change's seconds in `previous` (`previous_check`: the median over
+    the last lines of the same device)."""
     problems = []
     before = {c["change"]: c for c in (previous or {}).get("changes", [])}
     bounded = any(d in device_name for d in BOUNDED_DEVICES)
@@ -326,7 +346,8 @@ def live_change_problems(
             old = before.get(c["change"], {}).get(key)
             if isinstance(old, (int, float)) and old > 0 and now > REGRESSION * old:
                 problems.append(
-                    f"{c['change']} {key} {now:.2f} s > {REGRESSION} x previous {old:.2f} s"
+                    f"{c['change']} {key} {now:.2f} s > {REGRESSION} x previous {old:.2f} s "
+                    "(the median of the last runs on this device)"
                 )
     return problems
 
