@@ -32,6 +32,7 @@ BENCHMARKS = {  # name: (module:function called with sys.argv set to NAME's flag
     "data_pipeline": ("megadyn.bench.data_pipeline:main", "preprocessing throughput and the loader's micro batches per second"),
     "fp8_linear": ("megadyn.bench.fp8_linear:main", "FP8 linear layers against bf16 and torchao"),
     "step_bound": ("megadyn.bench.step_bound:main", "the step's GEMMs and attention kernels timed alone"),
+    "adam": ("megadyn.bench.adam:main", "the optimizer's update: torch's fused AdamW + cast against main params as remainders"),
     "trace_overlap": ("megadyn.bench.trace_overlap:main", "how much communication of a profiler trace ran beside compute"),
 }  # fmt: skip
 
