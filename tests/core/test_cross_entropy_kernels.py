@@ -91,6 +91,27 @@ def outside_targets_body(rank, world):
     # shifted ones (eager); summed over the whole vocabulary's ranks, both give the same loss
     shift = torch.where(inside, 0.0, local_max)
     torch.testing.assert_close(loss, ref_loss + shift, **TOLERANCE[torch.float32])
+    overwritten_logits(logits, target, vocab_start)
+
+
+def overwritten_logits(logits, target, vocab_start):
+    """Logits an operation produced take their gradient in place (no second [s*b, V] tensor);
+    a leaf's do not; a second backward through the graph is refused."""
+    leaf = logits.detach().requires_grad_()
+    produced = (leaf * 1.0).contiguous()
+    seen = []
+    produced.register_hook(seen.append)
+    loss = vocab_parallel_cross_entropy(produced, target, vocab_start, None, fused=True)
+    loss.sum().backward(retain_graph=True)
+    assert seen[0].data_ptr() == produced.data_ptr()
+    eager = logits.detach().requires_grad_()
+    vocab_parallel_cross_entropy(eager, target, vocab_start, None, fused=False).sum().backward()
+    torch.testing.assert_close(leaf.grad, eager.grad, **TOLERANCE[torch.float32])
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.sum().backward()
+    kept = logits.detach().clone().requires_grad_()
+    vocab_parallel_cross_entropy(kept, target, vocab_start, None, fused=True).sum().backward()
+    assert torch.equal(kept.detach(), logits) and kept.grad.data_ptr() != kept.data_ptr()
 
 
 def cpu_refused_body(rank, world):

@@ -94,7 +94,11 @@ def _kernels():
 
 
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
-    """Triton kernels: one pass over the logits forward, one backward."""
+    """Triton kernels: one pass over the logits forward, one backward. Logits that an
+    operation produced (not a leaf) take their gradient in place: the backward writes it over
+    the saved logits, which nothing needs afterwards, so the step's peak (the start of the
+    backward) holds one [s, b, V/tp] tensor, not two (as Megatron's cross entropy reuses its
+    saved softmax). A second backward through the same graph is refused."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):
@@ -105,15 +109,24 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             local_sum * (local_max - logits_max).exp(), target_logit, group
         )
         ctx.vocab_start = vocab_start
+        ctx.overwrite = logits.grad_fn is not None  # a leaf's values belong to the caller
+        ctx.overwritten = False
         ctx.save_for_backward(logits, target, logits_max, sum_exp)
         return sum_exp.log() + logits_max - target_logit  # [s, b]
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.overwritten:
+            raise RuntimeError(
+                "the fused cross entropy wrote its gradient over the saved logits: a second "
+                "backward through it (retain_graph) needs --no-cross-entropy-loss-fusion"
+            )
         logits, target, logits_max, sum_exp = ctx.saved_tensors
         grad = _kernels().grad_logits(
-            logits, target, ctx.vocab_start, logits_max, sum_exp, grad_loss
-        )
+            logits, target, ctx.vocab_start, logits_max, sum_exp, grad_loss,
+            overwrite=ctx.overwrite,
+        )  # fmt: skip
+        ctx.overwritten = ctx.overwrite
         return grad, None, None, None
 
 

@@ -9,6 +9,7 @@ walks its vocabulary in BLOCK-sized chunks, accumulating in fp32:
                      is another rank's), three fp32 [s, b] tensors
     grad_logits      one read of the logits, one write of the gradient:
                      (exp(l - M) / S - onehot(target)) * grad_loss, in the logits' dtype
+                     (over the logits themselves when the caller allows it)
 
 No fp32 [s, b, V_local] tensor exists at any point. The kernels have no autotuning, so a
 restarted process finds their compiled code in Triton's on-disk cache and its first call costs
@@ -122,14 +123,17 @@ def grad_logits(
     sum_exp: torch.Tensor,
     grad_loss: torch.Tensor,
     block: int | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """(exp(l - logits_max) / sum_exp - onehot(target)) * grad_loss, shaped and typed as logits.
 
     logits_max, sum_exp: the global (all-reduced) statistics, fp32 shaped like target.
+    `overwrite`: written over the logits themselves (each element is read, then written, by
+    the same program), no second [s*b, V/tp] tensor.
     """
     check_device(logits)
     rows2d = logits.reshape(-1, logits.shape[-1]).contiguous()  # [s*b, V/tp]
-    grad = torch.empty_like(rows2d)  # [s*b, V/tp], the logits' dtype
+    grad = rows2d if overwrite else torch.empty_like(rows2d)  # [s*b, V/tp], the logits' dtype
     stats = torch.stack([t.reshape(-1).float() for t in (logits_max, sum_exp, grad_loss)])
     target_rows = target.reshape(-1).contiguous()  # [s*b]
     _launch(_grad_logits_kernel, rows2d, grad, target_rows, stats, vocab_start, block=block)
