@@ -18,8 +18,9 @@ The regions:
 Compiled, they also keep less for the backward (what inductor's partitioner saves): SwiGLU
 keeps only fc1's output and recomputes silu (eager also keeps silu(gate): 3/2 of it), and fc2
 does not keep its input, SwiGLU's output, either: the backward computes it again from fc1's
-output, which SwiGLU's backward keeps anyway (`recomputed_in_backward`; a 16-bit fc2 input
-only: under FP8 fc2 keeps its input's fp8 copy); a norm
+output, which SwiGLU's backward keeps anyway (`recomputed_in_backward`, megadyn/core/
+recomputed.py; under FP8 neither its 16-bit input nor the fp8 x^T of a tensorwise fc2 is
+kept: the backward casts x^T again at the forward's scale, a scalar, the same bits); a norm
 keeps its 16-bit input and one fp32 statistic per token (eager on the CPU keeps fp32 copies
 of the input). The numbers differ from eager by 16-bit rounding only: inductor computes a
 region in fp32 and rounds once at its outputs. With hidden dropout the compiled masks come
@@ -35,15 +36,12 @@ after eager warm-up steps of the same shapes, so nothing compiles during a captu
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from megadyn.core.recompute import inside_recompute
 
 
 def norm(x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
@@ -130,42 +128,3 @@ class Fusions:
         if not on or (self.backend is None and not x.is_cuda):
             return fn
         return _compiled(fn, self.backend or "inductor")
-
-
-class _Recomputed:
-    """What the backward holds instead of a saved tensor that it computes again."""
-
-    __slots__ = ("shape", "stride", "offset")
-
-    def __init__(self, t: torch.Tensor, base_offset: int):
-        self.shape, self.stride = t.shape, t.stride()
-        self.offset = t.storage_offset() - base_offset
-
-
-@contextlib.contextmanager
-def recomputed_in_backward(out: torch.Tensor, fn: Callable, *inputs) -> Iterator[None]:
-    """Within the scope, a tensor saved for the backward that is `out` (or a view of all of
-    it: the linear layers save [tokens, in] views) is not kept: the backward computes it again
-    as fn(*inputs), bit for bit the forward's `out`. Worth it where the backward keeps
-    `inputs` anyway and `fn` is cheap. Off (a plain scope) without gradients and inside
-    full recomputation, whose checkpoint decides what is kept."""
-    if not torch.is_grad_enabled() or inside_recompute():
-        yield
-        return
-    # the hooks live as long as the tensors they saved: they hold no reference to `out`
-    ptr, numel, dtype, offset = out.data_ptr(), out.numel(), out.dtype, out.storage_offset()
-
-    def pack(t: torch.Tensor):
-        if t.data_ptr() == ptr and t.numel() == numel and t.dtype == dtype:
-            return _Recomputed(t, offset)
-        return t
-
-    def unpack(saved):
-        if not isinstance(saved, _Recomputed):
-            return saved
-        with torch.no_grad():
-            again = fn(*inputs)
-        return again.as_strided(saved.shape, saved.stride, again.storage_offset() + saved.offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield

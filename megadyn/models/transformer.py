@@ -26,6 +26,7 @@ from megadyn.core.context_parallel import (
     scatter_heads,
 )
 from megadyn.core.recompute import RecomputeConfig, recompute
+from megadyn.core.recomputed import recomputed_in_backward
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
     RNGTracker,
@@ -41,7 +42,6 @@ from megadyn.models.pointwise import (
     add_norm,
     dropout_add,
     norm,
-    recomputed_in_backward,
     rope_qk,
     swiglu,
 )
@@ -219,7 +219,7 @@ class MLP(nn.Module):
         h = fn(y)
         if not self.fusions.swiglu:
             return self.linear_fc2(h)
-        with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h
+        with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h, 16-bit or fp8
             return self.linear_fc2(h)
 
 

@@ -80,7 +80,13 @@ def test_cpu_gemm_equals_torch_scaled_mm(rowwise, out_dtype):
     b_inv = torch.exp2(torch.randint(-9, 3, (1, 32) if rowwise else (), generator=gen).float())
     bias = None if rowwise else torch.randn(32, generator=gen).to(out_dtype)
     got = emulated_mm(a, a_inv, b, b_inv, out_dtype, bias)
-    want = torch._scaled_mm(a, b, a_inv, b_inv, bias=bias, out_dtype=out_dtype)
+    try:
+        want = torch._scaled_mm(a, b, a_inv, b_inv, bias=bias, out_dtype=out_dtype)
+    except RuntimeError as err:
+        if not rowwise:
+            raise
+        why = str(err).splitlines()[0]
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales: {why}")
     assert torch.equal(got, want)
 
 

@@ -162,17 +162,17 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     the backward computes it again from fc1's output, which SwiGLU's backward keeps, and the
     gradients are bit for bit those of keeping it. Inside full recomputation the checkpoint
     decides and nothing is replaced."""
-    import megadyn.models.pointwise as pointwise
+    import megadyn.core.recomputed as scope
     import megadyn.models.transformer as transformer
 
     replaced = []
-    original = pointwise._Recomputed.__init__
+    original = scope._Recomputed.__init__
 
-    def counting(self, t, base_offset):
+    def counting(self, t, *args):
         replaced.append(tuple(t.shape))
-        original(self, t, base_offset)
+        original(self, t, *args)
 
-    monkeypatch.setattr(pointwise._Recomputed, "__init__", counting)
+    monkeypatch.setattr(scope._Recomputed, "__init__", counting)
     cfg = LLAMA.with_(params_dtype=torch.bfloat16, pointwise_fusion=True)
     recomputed = model_step(cfg, COMPILED)
     tokens, ffn = 2 * 16, cfg.ffn_size  # micro batch 2, seq 16: fc2 saves [tokens, ffn]
@@ -181,7 +181,7 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
     monkeypatch.undo()
     replaced.clear()
-    monkeypatch.setattr(pointwise._Recomputed, "__init__", counting)
+    monkeypatch.setattr(scope._Recomputed, "__init__", counting)
     model_step(cfg, COMPILED, RecomputeConfig("full", "uniform", 1))
     assert replaced == []
 
@@ -191,7 +191,7 @@ def test_a_recomputed_tensor_is_freed_after_the_forward():
     hooks live as long as the graph), and the backward gets it back bit for bit."""
     import weakref
 
-    from megadyn.models.pointwise import recomputed_in_backward
+    from megadyn.core.recomputed import recomputed_in_backward
 
     y = rand(16, 2, 192, dtype=torch.bfloat16).requires_grad_()
     w = rand(32, 96, dtype=torch.bfloat16, seed=1).requires_grad_()

@@ -1,7 +1,9 @@
 """--pointwise-fusion on a GPU (inductor's Triton kernels): each region in bf16 follows its
 plain function in fp32, a bf16 Llama step follows the plain step, and a step captured as a
 CUDA graph after eager warm-up steps compiles nothing more and replays the eager fused
-step's losses. Skipped without CUDA."""
+step's losses. An FP8 fused step recomputing fc2's input (x^T cast again by Triton at the
+forward's scale) equals the step keeping it, bit for bit, and keeps tokens x ffn bytes a layer
+less after its forward. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -100,3 +102,39 @@ def test_a_cuda_graph_of_a_fused_step_compiles_nothing_and_replays_the_eager_los
     assert graph.captures == 1
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
     graph.reset()
+
+
+def fp8_step(cfg, tokens, labels):
+    """(bytes the forward leaves allocated, loss, gradients) of one fused FP8 step."""
+    torch.manual_seed(5)
+    model = GPTModel(cfg, device="cuda")
+    init_chunk(model, 1)
+    before = torch.cuda.memory_allocated()
+    loss = model(tokens, labels=labels).float().mean()
+    kept = torch.cuda.memory_allocated() - before
+    loss.backward()
+    return kept, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_an_fp8_step_recomputing_fc2s_input_equals_keeping_it():
+    from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
+    from tests.models.test_pointwise_fp8 import recomputation_off
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9 or newer")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, labels = torch.randint(0, 100, (2, 2, 16), generator=g, device="cuda")
+    for recipe in (Fp8Recipe("e4m3"), Fp8Recipe("hybrid"), Fp8Recipe("e4m3", "rowwise")):
+        torch._dynamo.reset()
+        cfg = LLAMA.with_(
+            params_dtype=torch.bfloat16, hidden_size=256, ffn_hidden_size=512,
+            pointwise_fusion=True, fp8_format=recipe.format, fp8_recipe=recipe.recipe,
+        )  # fmt: skip
+        kept, loss, grads = fp8_step(cfg, tokens, labels)
+        with recomputation_off():
+            kept_off, loss_off, grads_off = fp8_step(cfg, tokens, labels)
+        assert torch.equal(loss, loss_off), recipe
+        for name, grad in grads.items():
+            assert torch.equal(grad, grads_off[name]), (recipe, name)
+        per_element = 1 if recipe.recipe == "tensorwise" else 2  # fp8 x^T, or bf16 x
+        assert kept_off - kept == cfg.num_layers * 2 * 16 * 512 * per_element, recipe

@@ -25,6 +25,12 @@ does not change between a micro batch's forward and backward) and 'rowwise' (a s
 row of each GEMM operand; the backward re-quantizes x and W, kept in the model's dtype,
 along the other dimension).
 
+An input that the backward computes again (`recomputed_in_backward`, megadyn/core/
+recomputed.py: fc2's, SwiGLU's output, under --pointwise-fusion) is kept in no form:
+tensorwise saves x (the scope keeps a record instead) and the scale, not x^T, which the
+backward casts again from the recomputed x at that scale (requantize: the forward's bits, no
+amax, no all-reduce); rowwise saves x, which the scope replaces alike.
+
 The forward GEMM uses the GPU's fast fp8 accumulation; the backward GEMMs do not. The
 weight gradient is written in the weight's dtype and then added into `main_grad`
 (`torch._scaled_mm` cannot accumulate into its output).
@@ -60,6 +66,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megadyn.core.recomputed import derived_in_backward, recomputed
 from megadyn.core.tensor_parallel.fp8_cache import WeightCache
 from megadyn.core.tensor_parallel.mappings import group_size
 
@@ -215,6 +222,11 @@ def emulated_mm(a, a_inv, b, b_inv, out_dtype: torch.dtype, bias=None) -> torch.
     return y.to(out_dtype)
 
 
+def _x_t(dtype: torch.dtype, inv_scale: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """x^T [in, tokens] in fp8 at the forward's scale, from x [tokens, in] computed again."""
+    return requantize(x2d, dtype, inv_scale, transpose=True)[2]
+
+
 def _col_major(q: torch.Tensor) -> torch.Tensor:
     """The column-major [k, n] operand whose row-major transpose q [n, k] is held."""
     return q.t()
@@ -259,7 +271,11 @@ class Fp8Gemms:
             )
         fp8, row = self.recipe.forward_dtype, not self.column
         if self.recipe.recipe == "tensorwise":  # the backward takes x^T in fp8, W and ws
-            xq, xs, xqt = quantize(x2d, fp8, None, self._group(row), transpose=need_w)
+            again = need_w and recomputed(x2d)  # x^T: cast in the backward from x again
+            xq, xs, xqt = quantize(x2d, fp8, None, self._group(row), transpose=need_w and not again)
+            if again:  # x2d is saved as a record; the backward gets x^T at scale 1 / xs
+                derived_in_backward(x2d, functools.partial(_x_t, fp8, xs))
+                xqt = x2d
             # W^T in the same pass only where the step's cache keeps it for the backward
             transpose = need_x and self.weight_cache.keeps(weight)
             wq, ws, _ = self.weight_cache.get(
@@ -284,6 +300,8 @@ class Fp8Gemms:
         gdt, dtype = self.recipe.grad_dtype, g2d.dtype
         if self.recipe.recipe == "tensorwise":
             xqt, xs, weight, ws = saved  # x^T [in, t], W [out, in] (the parameter)
+            if xqt is not None and xqt.dtype != self.recipe.forward_dtype:  # x, not derived
+                xqt = _x_t(self.recipe.forward_dtype, xs, xqt)
             gq, gs, gqt = quantize(g2d, gdt, None, self._group(self.column), transpose=True)
             grad_x = None
             if need_input:  # g [t, out] @ W [out, in]
