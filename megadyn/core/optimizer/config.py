@@ -28,7 +28,7 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (--clip-grad); 0 disables clipping."""
     bf16: bool = False
-    """Model params are bf16 (--bf16); the optimizer keeps fp32 main params."""
+    """Model params are bf16 (--bf16); the optimizer keeps fp32 main params (or remainders)."""
     fp16: bool = False
     """Model params are fp16 (--fp16); fp32 main params and dynamic loss scaling."""
     loss_scale: float | None = None

@@ -2,7 +2,9 @@
 
 A *shard* is the range of a parameter's flattened elements that one rank updates: all of it
 without the distributed optimizer; with it, the intersection of the parameter with the part of
-its gradient bucket that the dp rank owns (possibly empty).
+its gradient bucket that the dp rank owns (possibly empty). A `ParamShard` holds the shard's
+fp32 main value (a copy, a view of an fp32 param, or an int16 remainder beside a bf16 param's
+slice: remainders.py) and its Adam state, which adamw.py updates.
 
 To gather one parameter's state: a parameter occupies [p_start, p_end) of its bucket, and dp rank r owns [r*k, (r+1)*k) of the
 bucket (k = bucket numel / dp). Rank r's piece of the parameter is the intersection; all ranks
