@@ -25,8 +25,8 @@ from torch.optim.adam import adam
 from megadyn.core.optimizer.remainders import join_into, split_into
 from megadyn.core.optimizer.shards import ParamShard
 
-SCRATCH_NUMEL = 2**28
-"""Largest fp32 scratch (1 GiB) of joined main values that one update call uses."""
+SCRATCH_NUMEL = 2**26
+"""Largest fp32 scratch (256 MiB) of joined main values that one update call uses."""
 
 
 @dataclass(frozen=True)

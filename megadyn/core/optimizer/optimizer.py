@@ -292,7 +292,7 @@ class MixedPrecisionOptimizer:
     def load_shard_state(self, param: nn.Parameter, state: dict[str, torch.Tensor]) -> None:
         """Set this rank's range of `param`'s fp32 state from flat tensors (no comm); the model
         param itself is set by the caller, except that with a remainder this sets the range's
-        weight to the high half of the main value (what the run it came from held there)."""
+        weight to the high half of the main value (weight and remainder make the main)."""
         shard = self._shard_of.get(param)
         if shard is None:
             return
