@@ -1,8 +1,8 @@
 """--use-precision-aware-optimizer: bf16 weight + int16 remainder in place of an fp32 main copy.
 
-The encoding round-trips every fp32 bit pattern; a step is bit-for-bit torch's AdamW on the
-joined fp32 main value; the layout-free state is the same fp32 main in both modes, so state
-moves between them (and over dp / ZeRO-1) exactly; and no fp32 main tensor is kept.
+The encoding round-trips fp32 bits exactly (NaN and inf too); a step is bit for bit torch's
+AdamW on the joined fp32 main value; the layout-free state is the same fp32 main in both
+modes, so state moves between them (and over dp / ZeRO-1) exactly; no fp32 main is kept.
 """
 
 import pytest
@@ -55,7 +55,7 @@ def _values() -> torch.Tensor:
     return torch.cat([random, special, every.view(-1)])
 
 
-def test_split_join_round_trips_every_bit_pattern():
+def test_split_join_round_trips_bit_exactly():
     x = _values()
     weight, remainder = split(x)
     assert weight.dtype == torch.bfloat16 and remainder.dtype == torch.int16
@@ -145,7 +145,7 @@ def assert_weights_are_high_halves(opt) -> None:
         assert same_bits(p.detach(), model_weight(main) if p.dtype == torch.bfloat16 else main)
 
 
-def torch_adamw_step(ddp, opt, state: dict) -> list[dict]:
+def torch_adamw_step(ddp, state: dict, lr: float, wd: float) -> list[dict]:
     """The fp32-main path from `state` (a `state_dict`): torch.optim.AdamW (foreach, as on the
     CPU) over fp32 copies of the mains, with the moments of `state` and the gradients."""
     mains, groups = [], [{"params": []}, {"params": [], "weight_decay": 0.0}]
@@ -159,8 +159,7 @@ def torch_adamw_step(ddp, opt, state: dict) -> list[dict]:
             **{k: s[k].clone() for k in STATE_KEYS[1:]},
         }
         mains.append(main)
-    wd = opt._weight_decay
-    adamw = torch.optim.AdamW(groups, lr=opt.get_lr(), weight_decay=wd, foreach=True)
+    adamw = torch.optim.AdamW(groups, lr=lr, weight_decay=wd, foreach=True)
     adamw.state.update(adamw_state)
     adamw.step()
     return [{"main": m.detach(), **{k: adamw.state[m][k] for k in STATE_KEYS[1:]}} for m in mains]
@@ -185,16 +184,17 @@ def _one_process(rank, world):
     assert fp32_copy_bytes(opt) == 0 and fp32_copy_bytes(opt_ref) == 4 * bf16
     assert sum(2 * s.remainder.numel() for s in opt.shards if s.remainder is not None) == 2 * bf16
     for step in range(4):
+        lr, wd = 1e-2 / (step + 1), 0.1 * step  # the schedule's hooks
         for o in (opt, opt_ref):
-            o.set_lr(1e-2 / (step + 1))
-            o.set_weight_decay(0.1 * step)
+            o.set_lr(lr)
+            o.set_weight_decay(wd)
         opt.zero_grad()
         backward(ddp, groups, seed=step)
         before = opt.state_dict()
         opt_ref.load_state_dict(before)  # the fp32 path from the same main value and moments
         for p, q in zip(ddp.parameters(), ddp_ref.parameters()):
             q.main_grad.copy_(p.main_grad)
-        expected = torch_adamw_step(ddp, opt, before)
+        expected = torch_adamw_step(ddp, before, lr, wd)
         assert opt.step().applied and opt_ref.step().applied
         assert_same_states(opt, opt_ref)
         for p, want in zip(opt.params, expected):
