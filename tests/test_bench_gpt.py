@@ -10,7 +10,7 @@ from megadyn.testing import spawn
 
 TINY = "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --mbs 2 --gbs 4".split()
 FIELDS = [
-    "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "sp", "cp", "cp_comm_type",
+    "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "precision_aware_optimizer", "sp", "cp", "cp_comm_type",
     "cp_placement", "cp_block_size", "documents", "cuda_graph", "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "fp8", "attn",
     "attention_backend", "recompute", "layers", "hidden", "seq", "mbs", "gbs", "iter_s",
     "iters_s", "warmup_iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib", "resident_mem_gib",
@@ -50,3 +50,11 @@ def test_the_record_has_the_reference_fields(tp, cp):
     assert len(first["iters_s"]) == 2 and len(first["warmup_iter_s"]) == 1
     assert first["tokens_per_s_per_gpu"] > 0
     assert first["peak_mem_gib"] == second["peak_mem_gib"] == 0.0  # no CUDA memory on CPU
+    assert first["precision_aware_optimizer"] is False
+
+
+def test_the_precision_aware_optimizer_flag_reaches_the_job():
+    from megadyn.bench.gpt import job_config, parse_args
+
+    cfg = job_config(parse_args(TINY + ["--use-precision-aware-optimizer"]))
+    assert cfg.optimizer.use_precision_aware_optimizer and cfg.optimizer.bf16

@@ -10,7 +10,8 @@ Llama-style models take pretrain_gpt.py's architecture flags (megadyn/bench/gpt_
 --pointwise-fusion compiles the blocks' norms, residual adds, SwiGLU and RoPE (--no-norm-fusion,
 --no-bias-swiglu-fusion, --no-rope-fusion, --no-bias-dropout-fusion take one part back).
 Random tokens, bf16 weights with fp32 main weights, the distributed optimizer, untied
-embeddings, no dropout: the configuration of the reference script. The step timed is the
+embeddings, no dropout: the configuration of the reference script (--use-precision-aware-optimizer:
+remainders in place of the fp32 main weights, as pretrain_gpt.py's flag). The step timed is the
 trainer's own (`Trainer.train_step`, built as pretrain_gpt.py builds it). Timing is the median
 iteration after warm-up; peak memory is the maximum over ranks. The benchmark itself is
 megadyn/bench/gpt.py (also `torchrun ... -m megadyn.bench gpt`).

@@ -78,6 +78,11 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         help="copies of the distributed optimizer's state, each sharded over dp / N ranks",
     )
     p.add_argument(
+        "--use-precision-aware-optimizer",
+        action="store_true",
+        help="bf16 weight + 16-bit remainder in place of each fp32 main weight (pretrain_gpt's flag)",
+    )
+    p.add_argument(
         "--no-overlap-param-gather",
         action="store_true",
         help="gather updated params right after the step instead of during the next forward",
@@ -140,8 +145,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
 
 
 def job_config(a: argparse.Namespace) -> MegadynConfig:
-    """The reference script's job: bf16 weights with fp32 main weights, the distributed
-    optimizer, untied embeddings, lr 1e-4, seed 1234; iterations for every timed, warm-up and
+    """The reference script's job: bf16 weights with fp32 main weights (remainders under
+    --use-precision-aware-optimizer), the distributed optimizer, untied embeddings, lr 1e-4, seed 1234; iterations for every timed, warm-up and
     profiled step, no evaluation. Its data (synthetic tokens) is built but not read: the
     benchmark's steps read `RandomTokens`."""
     model = model_config(a)  # pretrain_gpt.py's model for the same flags
@@ -173,7 +178,12 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
             enable_cuda_graph=a.cuda_graph,
             cuda_graph_warmup_steps=a.cuda_graph_warmup_steps,
         ),
-        optimizer=OptimizerConfig(lr=1e-4, bf16=True, use_distributed_optimizer=distopt),
+        optimizer=OptimizerConfig(
+            lr=1e-4,
+            bf16=True,
+            use_distributed_optimizer=distopt,
+            use_precision_aware_optimizer=a.use_precision_aware_optimizer,
+        ),
     )
 
 
@@ -292,6 +302,7 @@ def record(
         vpp=a.vpp,
         dp=dp,
         distopt_instances=a.distopt_instances,
+        precision_aware_optimizer=a.use_precision_aware_optimizer,
         sp=a.sp,
         cp=a.cp,
         cp_comm_type=a.cp_comm_type if a.cp > 1 else None,

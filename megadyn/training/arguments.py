@@ -219,6 +219,7 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     o("--loss-scale-window", type=int)
     o("--hysteresis", type=int)
     o("--use-distributed-optimizer", action="store_true")
+    o("--use-precision-aware-optimizer", action="store_true")
     o("--log-num-zeros-in-grad", action="store_true")
 
 

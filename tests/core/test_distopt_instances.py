@@ -49,7 +49,7 @@ def _run(trainer) -> tuple[list[float], list[torch.Tensor], list[list[torch.Tens
         loss = torch.zeros(()) if step.loss is None else step.loss.float().cpu()
         dist.all_reduce(loss)  # one last-stage rank per dp replica: the same value each
         losses.append(loss.item())
-        shards.append([s.main.clone() for s in trainer.optimizer.shards])
+        shards.append([s.main_value().clone() for s in trainer.optimizer.shards])
     weights = [p.detach().float().clone() for c in trainer.chunks for p in c.parameters()]
     return losses, weights, shards
 
@@ -58,14 +58,10 @@ def _replicas_equal(trainer) -> None:
     """Every shard's fp32 main weight and Adam moments are bit-equal in both instances."""
     opt, g = trainer.optimizer, trainer.groups
     for shard in opt.shards:
-        for value in [shard.main] + [opt._adam.state[shard.main][k] for k in opt_keys()]:
+        for value in opt.shard_state(shard.param).values():
             copies = [torch.empty_like(value) for _ in range(g.distopt_instances)]
             dist.all_gather(copies, value.contiguous(), group=g.inter_distopt_group)
             assert all(torch.equal(copies[0], c) for c in copies[1:])
-
-
-def opt_keys():
-    return ("exp_avg", "exp_avg_sq")
 
 
 def _parity(world, tp, bf16, *flags, device="cpu") -> Trainer:

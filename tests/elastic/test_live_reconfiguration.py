@@ -192,3 +192,20 @@ def test_fp16_loss_scale_survives_a_live_change():
     results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
     assert len(results[0].events) == 1
     merged_losses(results, reference)
+
+
+def test_precision_aware_optimizer_state_moves_exactly():
+    # bf16 weights with remainders in place of fp32 main weights: a live change carries the
+    # fp32 main value (joined) and sets weight and remainder from it again; the run goes on as
+    # an uninterrupted one, bit for bit (dp 2 with the distributed optimizer, rebuilt twice)
+    flags = ARGS + ["--bf16", "--use-precision-aware-optimizer"]
+    reference = spawn(run_pretrain, world=2, args=(flags,))[1].history
+    port = free_port()
+    argv = flags + ["--elastic-control-port", str(port)]
+    requests = [
+        {"action": "layout", "tp": 1, "pp": 1, "members": 2, "at_iteration": i} for i in (3, 6)
+    ]
+    results = spawn(elastic_run, world=2, args=(argv, port, requests), timeout_s=120)
+    assert len(results[0].events) == 2
+    losses = merged_losses(results, reference, rtol=0)
+    assert losses[10] < losses[1]

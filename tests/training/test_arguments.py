@@ -51,7 +51,7 @@ FLAGS = [
     "--straggler-threshold",
     "--swiglu", "--tensor-model-parallel-size", "--tp-comm-overlap", "--tp-comm-overlap-transport", "--timing-log-level", "--tokenizer-model",
     "--tokenizer-type", "--train-iters", "--train-samples", "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer", "--vocab-file", "--vocab-size", "--wandb-exp-name",
+    "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--vocab-file", "--vocab-size", "--wandb-exp-name",
     "--wandb-project", "--wandb-save-dir", "--weight-decay", "--weight-decay-incr-style", "-h",
 ]  # fmt: skip
 

@@ -150,3 +150,17 @@ def _deterministic_run(rank, world, argv):
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
     return (*flags, history)
+
+
+def test_precision_aware_optimizer_resumes_with_or_without_the_flag(tmp_path):
+    """--use-precision-aware-optimizer (bf16 weight + remainder, no fp32 main copy) saves the
+    fp32 main weights as a run without it does: a resume with the flag goes on as its run, one
+    without it from the same main weights (bf16 weights cast where it rounded a tie) closely."""
+    flags = ("--bf16", "--use-distributed-optimizer")
+    save = str(tmp_path / "ckpt")
+    pa = ("--use-precision-aware-optimizer",)
+    losses = train(2, *flags, *pa, "--save", save, "--save-interval", "3")
+    close(losses, train(2, *flags), rtol=1e-2)
+    ckpt = os.path.join(save, "iter_0000003")
+    close(train(2, *flags, *pa, "--load", ckpt), losses[3:], rtol=1e-6)
+    close(train(2, *flags, "--load", ckpt), losses[3:], rtol=1e-2)

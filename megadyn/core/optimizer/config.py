@@ -28,7 +28,7 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (--clip-grad); 0 disables clipping."""
     bf16: bool = False
-    """Model params are bf16 (--bf16); the optimizer keeps fp32 main params."""
+    """Model params are bf16 (--bf16); the optimizer keeps fp32 main params (or remainders)."""
     fp16: bool = False
     """Model params are fp16 (--fp16); fp32 main params and dynamic loss scaling."""
     loss_scale: float | None = None
@@ -43,11 +43,20 @@ class OptimizerConfig:
     """Overflowing steps tolerated before the dynamic loss scale halves (--hysteresis)."""
     use_distributed_optimizer: bool = False
     """ZeRO-1 (--use-distributed-optimizer): shard main params and Adam state over dp."""
+    use_precision_aware_optimizer: bool = False
+    """Keep no fp32 main copy of bf16 params (--use-precision-aware-optimizer): a 16-bit
+    remainder beside the bf16 weight gives back the fp32 main value exactly (2 bytes a
+    parameter shard instead of 4). Needs --bf16."""
     log_num_zeros_in_grad: bool = False
     """Count zero gradient entries at each step (--log-num-zeros-in-grad)."""
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are mutually exclusive")
+        if self.use_precision_aware_optimizer and not self.bf16:
+            raise ValueError(
+                "--use-precision-aware-optimizer needs --bf16: its remainders complete bf16 "
+                "weights to fp32"
+            )
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")

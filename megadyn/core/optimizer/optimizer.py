@@ -14,9 +14,15 @@ rank owns (see `param_and_grad_buffer.py`), possibly empty. With several optimiz
 (--num-distributed-optimizer-instances) the ranks of each instance shard it alike, so the
 rank at the same place in another instance updates the same shard with the same gradient.
 Each shard has an fp32 main copy
-(for fp32 params, a view of the param itself) whose `.grad` is the matching slice of
-`param.main_grad`, and torch's AdamW updates the shards. After the step, main copies are cast
+(for fp32 params, a view of the param itself) and its Adam moments, and torch's AdamW update
+(adamw.py) takes the matching slice of `param.main_grad`. After the step, main copies are cast
 back into the params and, with the distributed optimizer, all-gathered over dp.
+
+With --use-precision-aware-optimizer a bf16 param's shard keeps an int16 remainder instead of
+an fp32 copy (remainders.py): the step joins weight and remainder into fp32, updates them with
+the same arithmetic and writes the new high half into the weight, the rest into the remainder.
+The layout-free state below is the same fp32 main value in both modes, so checkpoints and
+reshards go from one mode to the other exactly.
 
 A failure watch that aborts the communicators (a peer died) first sets `interrupted`: a step
 whose host reads (overflow check, grad norm) return after that raises `StepInterrupted` before
@@ -37,8 +43,10 @@ from torch import nn
 from megadyn.core.distributed import Bucket, DistributedDataParallel
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.optimizer import clip_grads as stats
+from megadyn.core.optimizer.adamw import SCRATCH_NUMEL, AdamHyper, adamw_update, set_adam_state
 from megadyn.core.optimizer.config import OptimizerConfig
 from megadyn.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megadyn.core.optimizer.remainders import model_weight
 from megadyn.core.optimizer.shards import STATE_KEYS, ParamShard, gather_param_state, make_shards
 
 
@@ -59,7 +67,8 @@ class OptimizerStep:
 
 
 class MixedPrecisionOptimizer:
-    """fp32 main params + AdamW over this rank's shards; loss scaling, clipping, ZeRO-1."""
+    """fp32 main params (or remainders) + AdamW over this rank's shards; loss scaling,
+    clipping, ZeRO-1."""
 
     def __init__(
         self,
@@ -80,6 +89,8 @@ class MixedPrecisionOptimizer:
         self.groups = groups
         self.ddp_wrappers = list(ddp_wrappers)
         self.distributed = config.use_distributed_optimizer
+        self.remainders = config.use_precision_aware_optimizer
+        self.scratch_numel = SCRATCH_NUMEL  # fp32 joined at a time (remainders only)
         self.interrupted = False  # set by the runtime's failure watch (another thread)
         if any(d.use_distributed_optimizer != self.distributed for d in self.ddp_wrappers):
             raise ValueError(
@@ -94,34 +105,14 @@ class MixedPrecisionOptimizer:
             for buffer in ddp.buffers:
                 for bucket in buffer.buckets:
                     self._bucket_of.update(dict.fromkeys(bucket.params, bucket))
-                    self.shards += make_shards(bucket, names)
+                    self.shards += make_shards(bucket, names, remainders=self.remainders)
         self._shard_of = {s.param: s for s in self.shards}
         missing = [names.get(p, "?") for p in self.params if p not in self._bucket_of]
         if missing:
             raise ValueError(f"parameters without a DDP gradient buffer: {missing}")
 
         self._lr, self._weight_decay = config.lr, config.weight_decay
-        param_groups = []
-        for wd_mult in (1.0, 0.0):
-            mains = [s.main for s in self.shards if s.decay == (wd_mult == 1.0)]
-            if mains:
-                param_groups.append(
-                    {
-                        "params": mains,
-                        "wd_mult": wd_mult,
-                        "weight_decay": wd_mult * config.weight_decay,
-                    }
-                )
-        self._fused = bool(self.shards) and self.shards[0].main.is_cuda
-        self._adam = None
-        if param_groups:  # a dp rank may own no part of any param (tiny models, large dp)
-            self._adam = torch.optim.AdamW(
-                param_groups,
-                lr=config.lr,
-                betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_eps,
-                **({"fused": True} if self._fused else {"foreach": True}),
-            )
+        self._fused = bool(self.shards) and self.shards[0].param.is_cuda  # else foreach
         self._step_count = 0
         self.grad_scaler = None
         if config.loss_scale is not None:
@@ -145,10 +136,8 @@ class MixedPrecisionOptimizer:
 
     # --- schedule hooks ---------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every param group."""
+        """Set the learning rate of every shard."""
         self._lr = lr
-        for group in self._adam.param_groups if self._adam else []:
-            group["lr"] = lr
 
     def get_lr(self) -> float:
         return self._lr
@@ -156,8 +145,6 @@ class MixedPrecisionOptimizer:
     def set_weight_decay(self, weight_decay: float) -> None:
         """Set the weight decay of the decayed group (biases and 1-D params stay at 0)."""
         self._weight_decay = weight_decay
-        for group in self._adam.param_groups if self._adam else []:
-            group["weight_decay"] = weight_decay * group["wd_mult"]
 
     @property
     def loss_scale(self) -> float:
@@ -174,10 +161,7 @@ class MixedPrecisionOptimizer:
         A step skipped for overflow returns `OptimizerStep(applied=False)` and leaves the
         params as they were. Call after `finalize_model_grads`.
         """
-        grads = []
-        for shard in self.shards:
-            shard.main.grad = shard.grad()
-            grads.append(shard.main.grad)
+        grads = [shard.grad() for shard in self.shards]
         device = self.params[0].device if self.params else None
         if self.grad_scaler is not None:
             inv_scale = self.grad_scaler.inv_scale
@@ -185,7 +169,6 @@ class MixedPrecisionOptimizer:
             self._stop_if_interrupted()
             self.grad_scaler.update(found_inf)
             if found_inf:
-                self._drop_main_grads()
                 return OptimizerStep(applied=False)
         tp_rank = self.groups.tp_rank
         counted = [
@@ -200,10 +183,10 @@ class MixedPrecisionOptimizer:
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             num_zeros = stats.count_zeros(counted, self._stat_groups, device)
-        if self._adam is not None:
-            self._adam.step()
+        betas = (self.config.adam_beta1, self.config.adam_beta2)
+        hyper = AdamHyper(self._lr, self._weight_decay, betas, self.config.adam_eps)
+        adamw_update(self.shards, grads, hyper, fused=self._fused, scratch_numel=self.scratch_numel)
         self._step_count += 1
-        self._drop_main_grads()
         self._copy_main_to_model()
         return OptimizerStep(applied=True, grad_norm=grad_norm, num_zeros=num_zeros)
 
@@ -211,36 +194,30 @@ class MixedPrecisionOptimizer:
         """Raise StepInterrupted if the runtime aborted the communicators meanwhile: the value
         just read on the host may come from a collective cut short, so nothing is updated."""
         if self.interrupted:
-            self._drop_main_grads()
             raise StepInterrupted(
                 "a peer failed while this step's gradients were reduced: the step stops "
                 "before its update"
             )
 
-    def _drop_main_grads(self) -> None:
-        for shard in self.shards:
-            shard.main.grad = None
-
     @torch.no_grad()
     def _copy_main_to_model(self) -> None:
-        for shard in self.shards:
-            if shard.main.data_ptr() != shard.model_slice().data_ptr():
+        for shard in self.shards:  # remainders: the step wrote the model slice
+            if shard.main is not None and shard.main.data_ptr() != shard.model_slice().data_ptr():
                 shard.model_slice().copy_(shard.main)
         if self.distributed:
             for ddp in self.ddp_wrappers:
                 ddp.all_gather_params()
 
     def zero_grad(self) -> None:
-        """Zero the DDP gradient buffers (every `main_grad`) and drop any `.grad`."""
+        """Zero the DDP gradient buffers (every `main_grad`)."""
         for ddp in self.ddp_wrappers:
             ddp.zero_grad_buffer()
-        self._drop_main_grads()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Copy the model params into the main copies (after the params were set elsewhere)."""
         for shard in self.shards:
-            shard.main.copy_(shard.model_slice())
+            shard.set_main(shard.model_slice().float())
 
     # --- layout-free state ------------------------------------------------------------------
     @property
@@ -251,11 +228,18 @@ class MixedPrecisionOptimizer:
     @step_count.setter
     def step_count(self, value: int) -> None:
         self._step_count = int(value)
-        for state in self._adam.state.values() if self._adam else []:
-            state["step"].fill_(float(value))
+        for shard in self.shards:
+            if shard.adam:
+                shard.adam["step"].fill_(float(value))
 
-    def _adam_state(self, shard: ParamShard) -> dict:
-        return self._adam.state[shard.main] if self._adam is not None else {}
+    @staticmethod
+    def _state_of(shard: ParamShard) -> dict[str, torch.Tensor]:
+        """{main, exp_avg, exp_avg_sq} of `shard` (moments zero before its first step)."""
+        main = shard.main_value()
+        return {
+            "main": main,
+            **{k: shard.adam.get(k, torch.zeros_like(main)) for k in STATE_KEYS[1:]},
+        }
 
     def param_state(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
         """{main, exp_avg, exp_avg_sq} of `param` as fp32 tensors of its full local shape.
@@ -267,10 +251,7 @@ class MixedPrecisionOptimizer:
         shard = self._shard_of.get(param)
         pieces = []
         if shard is not None:
-            state = self._adam_state(shard)
-            pieces = [shard.main] + [
-                state.get(k, torch.zeros_like(shard.main)) for k in STATE_KEYS[1:]
-            ]
+            pieces = list(self._state_of(shard).values())
         if self.distributed:
             bucket = self._bucket_of[param]
             flat = gather_param_state(bucket, param, pieces)
@@ -284,20 +265,14 @@ class MixedPrecisionOptimizer:
 
         The Adam step counter is `step_count`; set it (or `load_state_dict`) first.
         """
-        main = state["main"].to(device=param.device, dtype=torch.float32)
-        param.detach().copy_(main.reshape(param.shape))
+        main = state["main"].to(device=param.device, dtype=torch.float32).reshape(param.shape)
+        remainders = self.remainders and param.dtype == torch.bfloat16
+        param.detach().copy_(model_weight(main) if remainders else main)  # as every owner has it
         shard = self._shard_of.get(param)
-        if shard is None:
-            return
-        shard.main.copy_(main.reshape(-1)[shard.start : shard.end])
-        adam_state = self._adam.state[shard.main]
-        for key in STATE_KEYS[1:]:
-            full = state[key].to(device=param.device, dtype=torch.float32).reshape(-1)
-            adam_state[key] = full[shard.start : shard.end].clone()
-        step_device = shard.main.device if self._fused else "cpu"
-        adam_state["step"] = torch.tensor(
-            float(self._step_count), dtype=torch.float32, device=step_device
-        )
+        if shard is not None:
+            self.load_shard_state(
+                param, {k: state[k].reshape(-1)[shard.start : shard.end] for k in STATE_KEYS}
+            )
 
     def shard_range(self, param: nn.Parameter) -> tuple[int, int]:
         """[start, end) of `param.view(-1)` whose fp32 state this rank keeps (empty: (0, 0))."""
@@ -305,34 +280,25 @@ class MixedPrecisionOptimizer:
         return (shard.start, shard.end) if shard is not None else (0, 0)
 
     def shard_state(self, param: nn.Parameter) -> dict[str, torch.Tensor]:
-        """{main, exp_avg, exp_avg_sq} of this rank's range of `param`, flat fp32 (no comm)."""
+        """{main, exp_avg, exp_avg_sq} of this rank's range of `param`, flat fp32 (no comm):
+        the optimizer's own tensors, except a main joined from a remainder (a new tensor)."""
         shard = self._shard_of.get(param)
         if shard is None:
             empty = torch.zeros(0, dtype=torch.float32, device=param.device)
             return dict.fromkeys(STATE_KEYS, empty)
-        state = self._adam_state(shard)
-        return {
-            "main": shard.main,
-            **{k: state.get(k, torch.zeros_like(shard.main)) for k in STATE_KEYS[1:]},
-        }
+        return self._state_of(shard)
 
     @torch.no_grad()
     def load_shard_state(self, param: nn.Parameter, state: dict[str, torch.Tensor]) -> None:
         """Set this rank's range of `param`'s fp32 state from flat tensors (no comm); the model
-        param itself is set by the caller."""
+        param itself is set by the caller, except that with a remainder this sets the range's
+        weight to the high half of the main value (weight and remainder make the main)."""
         shard = self._shard_of.get(param)
         if shard is None:
             return
-        shard.main.copy_(state["main"].reshape(-1))
-        adam_state = self._adam.state[shard.main]
-        for key in STATE_KEYS[1:]:
-            adam_state[key] = (
-                state[key].to(device=param.device, dtype=torch.float32).reshape(-1).clone()
-            )
-        step_device = shard.main.device if self._fused else "cpu"
-        adam_state["step"] = torch.tensor(
-            float(self._step_count), dtype=torch.float32, device=step_device
-        )
+        shard.set_main(state["main"])
+        exp_avg, exp_avg_sq = (state[k] for k in STATE_KEYS[1:])
+        set_adam_state(shard, exp_avg, exp_avg_sq, self._step_count, self._fused)
 
     def state_dict(self) -> dict:
         """{step, grad_scaler, params: [param_state(p) for p in self.params]} (collective)."""
