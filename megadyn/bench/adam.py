@@ -18,7 +18,8 @@ import statistics
 
 import torch
 
-from megadyn.core.optimizer.adam_kernels import adamw_remainders_, join, reference_, split
+from megadyn.core.optimizer.adam_kernels import adamw_remainders_, reference_
+from megadyn.core.optimizer.remainders import join, split
 
 HYPER = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

@@ -38,6 +38,7 @@ ROWS = {  # name: (GPUs, fp8)
 }
 MEGADYN_FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 MEGADYN_FAST = ["--cuda-graph", "--pointwise-fusion"]  # each measured faster on the 1-GPU rows
+MEGADYN_FAST += ["--use-precision-aware-optimizer"]  # 2 bytes less a parameter, a faster update
 
 
 MCORE = "megatron-core"

@@ -10,7 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from megadyn.core.optimizer.adam_kernels import adamw_remainders_, join, reference_, split
+from megadyn.core.optimizer.adam_kernels import adamw_remainders_, reference_
+from megadyn.core.optimizer.remainders import join, split
 from megadyn.testing import spawn
 
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -93,3 +94,41 @@ def test_refuses_tensors_of_other_lengths():
     with pytest.raises(ValueError, match="one length"):
         adamw_remainders_(weight, remainder, torch.zeros(7), torch.zeros(8), torch.zeros(8),
                           step=1, **HYPER)  # fmt: skip
+
+
+def one_pass_body(rank, world):
+    """The optimizer's CUDA branch (forced on CPU tensors, where adamw_remainders_ runs its
+    reference): each remainder shard takes the one-pass update at the optimizer's step count,
+    the fp32 param takes torch's fused update, and the step counters advance."""
+    from megadyn.core.groups import ParallelGroups
+    from megadyn.core.layout import Layout
+    from megadyn.core.optimizer.shards import STATE_KEYS
+    from tests.core.test_precision_aware_optimizer import backward, wrap
+
+    groups = ParallelGroups.build(Layout(dp=1), range(1))
+    ddp, opt = wrap(groups, flag=True)
+    opt._fused = True
+    for step in range(1, 4):
+        opt.zero_grad()
+        backward(ddp, groups, seed=step)
+        before = [{k: v.clone() for k, v in opt.param_state(p).items()} for p in opt.params]
+        assert opt.step().applied
+        for p, state in zip(opt.params, before):
+            after = opt.param_state(p)
+            if p.dtype != torch.bfloat16:
+                assert not torch.equal(after["main"], state["main"])
+                continue
+            weight, remainder = split(state["main"].reshape(-1))
+            m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+            grad = p.main_grad.float().reshape(-1)
+            decay = 0.1 if p.dim() > 1 else 0.0
+            reference_(weight, remainder, grad, m, v, step=step, lr=1e-2, beta1=0.9,
+                       beta2=0.999, eps=1e-8, weight_decay=decay)  # fmt: skip
+            want = {"main": join(weight, remainder), "exp_avg": m, "exp_avg_sq": v}
+            for key in STATE_KEYS:
+                assert torch.equal(after[key].reshape(-1), want[key]), (step, key)
+        assert all(int(s.adam["step"]) == step for s in opt.shards)
+
+
+def test_optimizer_one_pass_branch():
+    spawn(one_pass_body, world=1)

@@ -3,8 +3,9 @@
     adamw_remainders_(weight, remainder, grad, exp_avg, exp_avg_sq,
                       lr=..., beta1=..., beta2=..., eps=..., weight_decay=..., step=t)
 
-The fp32 main value of each element is its bf16 model weight (the high 16 bits) joined with an
-int16 remainder (the low 16 bits, signed: see `join` and `split`). One update reads the weight,
+The fp32 main value of each element is its bf16 model weight (the high 16 bits, rounded) joined
+with an int16 remainder (the low 16 bits, signed): remainders.py, whose int32 form the kernel
+computes. One update reads the weight,
 the remainder, the fp32 gradient and both fp32 moments once and writes the weight, the
 remainder and the moments: 28 bytes an element, where an fp32 main copy updated by torch's
 fused AdamW and then cast into the model weight moves 34. The update is torch's AdamW, op for
@@ -28,25 +29,10 @@ import math
 
 import torch
 
+from megadyn.core.optimizer.remainders import join, split
+
 BLOCK = 2048
 """Elements per program."""
-
-
-def join(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 values whose high 16 bits are `weight` (bf16) and low bits `remainder` (int16,
-    signed: the high half was rounded, so the low half may be negative)."""
-    bits = (weight.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
-    return bits.view(torch.float32)
-
-
-def split(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bf16 weight, int16 remainder) of fp32 `value`, exactly: `join` gives `value` back. The
-    weight is `value` rounded to the nearest bf16, ties away from zero (torch's cast rounds
-    ties to even: they differ at exact ties only)."""
-    bits = value.contiguous().view(torch.int32)
-    high = (bits + 0x8000) >> 16  # arithmetic shift: the sign stays
-    low = bits - (high << 16)  # in [-0x8000, 0x7FFF]
-    return high.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
 
 
 def _factors(lr, beta1, beta2, weight_decay, step) -> tuple[float, float, float]:

@@ -1,6 +1,6 @@
 """AdamW over this rank's `ParamShard`s, with the Adam state each shard holds (`shard.adam`).
 
-    adamw_update(shards, grads, AdamHyper(lr, weight_decay, betas, eps), fused=x.is_cuda)
+    adamw_update(shards, grads, AdamHyper(lr, weight_decay, betas, eps), fused=x.is_cuda, step=t)
 
 The update is torch's own: `torch.optim.adam.adam(..., decoupled_weight_decay=True)`, the
 function `torch.optim.AdamW.step` calls, fused on CUDA and foreach on the CPU. Its arithmetic
@@ -9,9 +9,12 @@ main value, gradient and state give the same bits as `torch.optim.AdamW` would.
 
 A shard keeps its fp32 main value either as a tensor (`shard.main`, updated in place) or,
 under --use-precision-aware-optimizer, as its bf16 model slice plus an int16 remainder
-(remainders.py). Those are joined into an fp32 scratch buffer of at most `scratch_numel`
-elements at a time (more when a single shard is larger), updated, and split back: the model
-slice gets the new high half, the remainder the rest.
+(remainders.py). On CUDA such a shard is updated in one pass by adam_kernels.py (it reads the
+weight, remainder, gradient and moments once: 28 bytes an element against 34 for an fp32 main
+copy, its fused update and its cast; the same formula as torch's AdamW, to a few units in the
+last place). Elsewhere they are joined into an fp32 scratch buffer of at most `scratch_numel`
+elements at a time (more when a single shard is larger), updated by torch's function, and
+split back: the model slice gets the new high half, the remainder the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam
 
+from megadyn.core.optimizer.adam_kernels import adamw_remainders_
 from megadyn.core.optimizer.remainders import join_into, split_into
 from megadyn.core.optimizer.shards import ParamShard
 
@@ -60,17 +64,35 @@ def adamw_update(
     hyper: AdamHyper,
     *,
     fused: bool,
+    step: int,
     scratch_numel: int = SCRATCH_NUMEL,
 ) -> None:
-    """One AdamW step of every shard with its fp32 gradient (state made at the first)."""
+    """One AdamW step, the `step`-th (from 1), of every shard with its fp32 gradient (state
+    made at the first)."""
     for shard in shards:
         if not shard.adam:  # as torch's AdamW does at a parameter's first step
             zeros = torch.zeros(shard.end - shard.start, device=shard.param.device)
             set_adam_state(shard, zeros, zeros, 0, fused)
+    pairs = list(zip(shards, grads))
+    if fused:  # remainders on CUDA: the one-pass kernel
+        for shard, grad in pairs:
+            if shard.remainder is not None:
+                _one_pass(shard, grad, hyper, step)
+        pairs = [(s, g) for s, g in pairs if s.remainder is None]
     for decay in (True, False):
-        pairs = [(s, g) for s, g in zip(shards, grads) if s.decay == decay]
-        for chunk in _chunks(pairs, scratch_numel):
+        pairs_of = [(s, g) for s, g in pairs if s.decay == decay]
+        for chunk in _chunks(pairs_of, scratch_numel):
             _update(chunk, hyper, hyper.weight_decay if decay else 0.0, fused)
+
+
+def _one_pass(shard: ParamShard, grad: torch.Tensor, hyper: AdamHyper, step: int) -> None:
+    adam = shard.adam
+    adamw_remainders_(
+        shard.model_slice(), shard.remainder, grad.contiguous(), adam["exp_avg"],
+        adam["exp_avg_sq"], lr=hyper.lr, beta1=hyper.betas[0], beta2=hyper.betas[1],
+        eps=hyper.eps, weight_decay=hyper.weight_decay if shard.decay else 0.0, step=step,
+    )  # fmt: skip
+    adam["step"].add_(1)  # as torch's update counts it (no host read)
 
 
 def _chunks(pairs, scratch_numel: int) -> Iterator[list[tuple[ParamShard, torch.Tensor]]]:

@@ -185,7 +185,10 @@ class MixedPrecisionOptimizer:
             num_zeros = stats.count_zeros(counted, self._stat_groups, device)
         betas = (self.config.adam_beta1, self.config.adam_beta2)
         hyper = AdamHyper(self._lr, self._weight_decay, betas, self.config.adam_eps)
-        adamw_update(self.shards, grads, hyper, fused=self._fused, scratch_numel=self.scratch_numel)
+        adamw_update(
+            self.shards, grads, hyper, fused=self._fused, step=self._step_count + 1,
+            scratch_numel=self.scratch_numel,
+        )  # fmt: skip
         self._step_count += 1
         self._copy_main_to_model()
         return OptimizerStep(applied=True, grad_norm=grad_norm, num_zeros=num_zeros)
