@@ -107,6 +107,28 @@ def derived_in_backward(t: torch.Tensor, derive: Callable[[torch.Tensor], torch.
     _innermost().derived[_geometry(t)] = derive
 
 
+def replayed(fn: Callable, output: int | None = None) -> Callable:
+    """`fn` (a scope's fn) run in the backward as the forward ran it: with gradients, on its
+    tensor arguments detached and requiring gradients as they do (parameters as they are),
+    its output (or output[`output`]) detached. A compiled `fn` thus runs the forward graph it
+    ran in the forward, the same kernels on the same inputs, the same bits; without gradients
+    it would run an inference graph of its own, which inductor may fuse and round otherwise
+    (a reduction of another shape of blocks)."""
+
+    def again(*args):
+        with torch.enable_grad():
+            out = fn(*(_like(a) for a in args))
+        return (out if output is None else out[output]).detach()
+
+    return again
+
+
+def _like(a):
+    if not isinstance(a, torch.Tensor) or isinstance(a, torch.nn.Parameter):
+        return a
+    return a.detach().requires_grad_(a.requires_grad)
+
+
 @contextlib.contextmanager
 def recomputed_in_backward(out: torch.Tensor, fn: Callable, *inputs) -> Iterator[None]:
     """Within the scope, a tensor saved for the backward that is `out` (or a view of all of

@@ -157,11 +157,14 @@ def test_compiled_regions_keep_less_for_the_backward():
     assert saved_bytes(compiled(add_norm), x, x, w, None, 1e-5, 0.0) == kept
 
 
-def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
-    """Under the SwiGLU fusion fc2 keeps no copy of its input (SwiGLU's output, 1/2 of fc1's):
-    the backward computes it again from fc1's output, which SwiGLU's backward keeps, and the
-    gradients are bit for bit those of keeping it. Inside full recomputation the checkpoint
-    decides and nothing is replaced."""
+def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(monkeypatch):
+    """Under the fusion the linear layers keep no copy of their inputs: linear_qkv's and
+    linear_fc1's (the norms' outputs) are computed again from the norms' inputs (which their
+    backwards keep), linear_proj's from the attention's output (which its backward keeps),
+    fc2's (SwiGLU's output, 1/2 of fc1's) from fc1's output (which SwiGLU's backward keeps);
+    the gradients are bit for bit those of keeping them. Inside full recomputation the
+    checkpoint decides and nothing is replaced; under selective recomputation, which drops
+    the attention's output, linear_proj keeps its input."""
     import megadyn.core.recomputed as scope
     import megadyn.models.transformer as transformer
 
@@ -175,10 +178,15 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     monkeypatch.setattr(scope._Recomputed, "__init__", counting)
     cfg = LLAMA.with_(params_dtype=torch.bfloat16, pointwise_fusion=True)
     recomputed = model_step(cfg, COMPILED)
-    tokens, ffn = 2 * 16, cfg.ffn_size  # micro batch 2, seq 16: fc2 saves [tokens, ffn]
-    assert replaced == [(tokens, ffn)] * cfg.num_layers
+    t, h, ffn = 2 * 16, cfg.hidden_size, cfg.ffn_size  # micro batch 2, seq 16: [tokens, in]
+    qkv, proj, fc1, fc2 = (t, h), (t, h), (t, h), (t, ffn)
+    assert replaced == [qkv, proj, fc1, fc2] * cfg.num_layers
+    replaced.clear()
+    selective = model_step(cfg, COMPILED, RecomputeConfig("selective"))
+    assert replaced == [qkv, fc1, fc2] * cfg.num_layers
     monkeypatch.setattr(transformer, "recomputed_in_backward", lambda *a: contextlib.nullcontext())
     assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
+    assert_same_step(selective, model_step(cfg, COMPILED, RecomputeConfig("selective")), 0.0)
     monkeypatch.undo()
     replaced.clear()
     monkeypatch.setattr(scope._Recomputed, "__init__", counting)
