@@ -163,8 +163,9 @@ def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(mo
     backwards keep), linear_proj's from the attention's output (which its backward keeps),
     fc2's (SwiGLU's output, 1/2 of fc1's) from fc1's output (which SwiGLU's backward keeps);
     the gradients are bit for bit those of keeping them. Inside full recomputation the
-    checkpoint decides and nothing is replaced; under selective recomputation, which drops
-    the attention's output, linear_proj keeps its input."""
+    checkpoint decides and nothing is replaced; linear_proj keeps its input under selective
+    recomputation, which drops the attention's output, and with the math kernel, which does
+    not keep it; linear_fc1 with hidden dropout in the joined add_norm."""
     import megadyn.core.recomputed as scope
     import megadyn.models.transformer as transformer
 
@@ -184,9 +185,22 @@ def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(mo
     replaced.clear()
     selective = model_step(cfg, COMPILED, RecomputeConfig("selective"))
     assert replaced == [qkv, fc1, fc2] * cfg.num_layers
+    replaced.clear()
+    model_step(cfg.with_(attention_backend="unfused"), COMPILED)  # math: keeps no output
+    assert replaced == [qkv, fc1, fc2] * cfg.num_layers
+    replaced.clear()
+    dropout = [
+        cfg.with_(hidden_dropout=0.1),
+        cfg.with_(bias_dropout_fusion=False, hidden_dropout=0.1),
+    ]
+    with_dropout = [model_step(c, COMPILED) for c in dropout]
+    # add_norm would draw other masks; the norm alone takes the sum as its input
+    assert replaced == [qkv, proj, fc2] * cfg.num_layers + [qkv, proj, fc1, fc2] * cfg.num_layers
     monkeypatch.setattr(transformer, "recomputed_in_backward", lambda *a: contextlib.nullcontext())
     assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
     assert_same_step(selective, model_step(cfg, COMPILED, RecomputeConfig("selective")), 0.0)
+    for c, step in zip(dropout, with_dropout):
+        assert_same_step(step, model_step(c, COMPILED), 0.0, "dropout")
     monkeypatch.undo()
     replaced.clear()
     monkeypatch.setattr(scope._Recomputed, "__init__", counting)
