@@ -208,6 +208,16 @@ def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(mo
     assert replaced == []
 
 
+def test_the_attention_kernels_named_keep_their_output():
+    """linear_proj's input is computed again from the attention's output only where the
+    kernel's backward node keeps it (a saved `output`): flash, efficient, cuDNN, flash on the
+    CPU."""
+    from megadyn.models.transformer import _KEEPS_OUTPUT
+
+    for name in _KEEPS_OUTPUT:
+        assert "_saved_output" in dir(getattr(torch._C._functions, name + "0")), name
+
+
 def test_a_recomputed_tensor_is_freed_after_the_forward():
     """Neither the layer that saved it nor the hooks keep the recomputed tensor alive (the
     hooks live as long as the graph), and the backward gets it back bit for bit."""
