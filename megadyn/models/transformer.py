@@ -26,7 +26,7 @@ from megadyn.core.context_parallel import (
     scatter_heads,
 )
 from megadyn.core.recompute import RecomputeConfig, recompute
-from megadyn.core.recomputed import recomputed_in_backward, replayed
+from megadyn.core.recomputed import recomputed_in_backward
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
     RNGTracker,
@@ -67,48 +67,6 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fusions(self.fusions.norm, norm, x)(x, self.weight, self.bias, self.eps)
-
-    def again(self, x: torch.Tensor) -> tuple:
-        """(fn, inputs) that compute forward(x) again in the backward, bit for bit: the
-        compiled region's forward graph replayed (`replayed`) from x, which its backward keeps."""
-        fn = self.fusions(self.fusions.norm, norm, x)
-        return replayed(fn), x, self.weight, self.bias, self.eps
-
-
-def input_recomputed(x: torch.Tensor, again: tuple | None):
-    """The scope in which a linear layer keeps nothing of its input x when `again` (fn,
-    *inputs) computes it again (`recomputed_in_backward`); a plain scope for None."""
-    if again is None:
-        return contextlib.nullcontext()
-    return recomputed_in_backward(x, *again)
-
-
-_KEEPS_OUTPUT = (  # scaled_dot_product_attention's kernels whose backward keeps `output`
-    "ScaledDotProductFlashAttentionBackward",
-    "ScaledDotProductEfficientAttentionBackward",
-    "ScaledDotProductCudnnAttentionBackward",
-    "ScaledDotProductFlashAttentionForCpuBackward",
-)
-
-
-def attention_keeps(out: torch.Tensor) -> bool:
-    """Whether the backward of the kernel that made `out` keeps `out` itself (flash, efficient
-    and cuDNN attention keep their output and its logsumexp; the math kernel, flex_attention,
-    the context-parallel attentions and a padded or sliced output are not known to)."""
-    node = out.grad_fn
-    return (
-        node is not None
-        and out.output_nr == 0
-        and node.name().rstrip("0123456789") in _KEEPS_OUTPUT
-        and "_saved_output" in dir(node)
-    )
-
-
-def heads_to_hidden(out: torch.Tensor) -> torch.Tensor:
-    """The attention's output [b, n, s, d] as linear_proj's input [s, b, n * d] (a copy
-    unless the layout makes it a view)."""
-    b, n, s, d = out.shape
-    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positions=None):
@@ -206,12 +164,9 @@ class SelfAttention(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, rope=None, recompute_core: bool = False, documents=None, again=None
+        self, x: torch.Tensor, rope=None, recompute_core: bool = False, documents=None
     ) -> torch.Tensor:
-        """`again`: (fn, *inputs) that compute x again in the backward (the input norm's
-        output), so linear_qkv keeps no copy of it."""
-        with input_recomputed(x, again):
-            qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]
+        qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, d)
@@ -225,12 +180,8 @@ class SelfAttention(nn.Module):
             out = recompute(self.core_attention, q, k, v, documents, tracker=self.tracker)
         else:
             out = self.core_attention(q, k, v, documents)  # [b, n, s, d]
-        h = heads_to_hidden(out)  # [s, b, h/tp]
-        # under the fusion linear_proj keeps no copy of h where the attention's backward
-        # keeps `out` (not under selective recomputation, whose checkpoint drops it)
-        keep = self.cfg.pointwise_fusion and not recompute_core and attention_keeps(out)
-        with input_recomputed(h, (heads_to_hidden, out) if keep else None):
-            return self.linear_proj(h)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, h/tp]
+        return self.linear_proj(out)
 
 
 class MLP(nn.Module):
@@ -260,11 +211,8 @@ class MLP(nn.Module):
         )
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)
 
-    def forward(self, x: torch.Tensor, again=None) -> torch.Tensor:
-        """`again`: (fn, *inputs) that compute x again in the backward (the pre-MLP norm's
-        output), so linear_fc1 keeps no copy of it."""
-        with input_recomputed(x, again):
-            y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
         if not self.swiglu:
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
@@ -292,9 +240,6 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.recompute_core = recompute_cfg.selective
         self.fusions = Fusions.from_config(cfg)
-        # the norms' outputs, linear_qkv's and linear_fc1's inputs, computed again in the
-        # backward; under sequence parallelism the layers keep the gathered inputs instead
-        self.recompute_normed = self.fusions.norm and not sequence_parallel
         self.input_layernorm = Norm(cfg, sequence_parallel, dtype, device)
         self.self_attention = SelfAttention(
             cfg, tp_group, sequence_parallel, tracker, dtype, device, cp_group
@@ -308,27 +253,18 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope=None, documents=None) -> torch.Tensor:
-        again = self.input_layernorm.again(x) if self.recompute_normed else None
-        h = self.input_layernorm(x)
-        y = self.self_attention(h, rope, self.recompute_core, documents, again)
-        x, h, again = self.add_norm(x, y)
-        return self.residual_add(x, self.mlp(h, again))
+        y = self.self_attention(self.input_layernorm(x), rope, self.recompute_core, documents)
+        x, h = self.add_norm(x, y)
+        return self.residual_add(x, self.mlp(h))
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        """x + dropout(y) and its pre-MLP norm: one compiled region when both fuse; and (fn,
-        *inputs) that compute the norm again in the backward from the sum, which the norm's
-        backward keeps (None where it does not: the norm unfused, hidden dropout in the joined
-        region)."""
-        n, p = self.pre_mlp_layernorm, self.dropout_p
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + dropout(y) and its pre-MLP norm: one compiled region when both fuse."""
         if not (self.fusions.residual and self.fusions.norm):
             x = self.residual_add(x, y)
-            return x, n(x), n.again(x) if self.recompute_normed else None
-        fn = self.fusions(True, add_norm, x)
+            return x, self.pre_mlp_layernorm(x)
+        n, p = self.pre_mlp_layernorm, self.dropout_p
         with self.dropout_rng(p):
-            total, h = fn(x, y, n.weight, n.bias, n.eps, p)
-        if not self.recompute_normed or p > 0.0:  # the replay would draw other masks
-            return total, h, None
-        return total, h, (normed_again(fn, y, n), total)
+            return self.fusions(True, add_norm, x)(x, y, n.weight, n.bias, n.eps, p)
 
     def residual_add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x + dropout(y), compiled under the residual fusion when there is a dropout."""
@@ -347,21 +283,6 @@ class TransformerLayer(nn.Module):
         if p > 0.0 and self.sequence_parallel and self.tracker is not None:
             return self.tracker.fork()
         return contextlib.nullcontext()
-
-
-def normed_again(fn, y: torch.Tensor, n: Norm):
-    """add_norm's norm computed again from its sum x: the forward graph of `fn` (add_norm,
-    without dropout) replayed on (x, -0.0): x + -0.0 is x bit for bit, and the region's norm
-    reads the sum rounded to x's dtype (compiled, inductor rounds a sum that it saves for the
-    backward before the norm reads it), so the replay computes the forward's norm. The -0.0
-    takes y's geometry: the same graph, no new compile."""
-    shape, stride, dtype, grad = y.shape, y.stride(), y.dtype, y.requires_grad
-
-    def again(x):
-        zero = torch.empty_strided(shape, stride, dtype=dtype, device=x.device).fill_(-0.0)
-        return fn(x, zero.requires_grad_(grad), n.weight, n.bias, n.eps, 0.0)
-
-    return replayed(again, output=1)
 
 
 def hidden_dropout(x, p: float, training: bool, sequence_parallel: bool, tracker) -> torch.Tensor:
