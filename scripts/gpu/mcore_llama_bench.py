@@ -83,21 +83,29 @@ def parse(argv=None):
     return a
 
 
+def megadyn_config(a):
+    """The same model as megadyn's GPTConfig (its vocabulary padding and FLOP count apply)."""
+    from megadyn.models.config import GPTConfig
+
+    return GPTConfig(
+        num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+        num_query_groups=a.num_query_groups, ffn_hidden_size=a.ffn_hidden_size,
+        vocab_size=a.vocab, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+        activation="swiglu" if a.swiglu else "gelu",
+    )  # fmt: skip
+
+
 def padded_vocab(a, tp: int = 1) -> int:
     """Megatron-LM's padding of the vocabulary (--make-vocab-size-divisible-by x tp)."""
-    m = a.make_vocab_size_divisible_by * tp
-    return -(-a.vocab // m) * m
+    return megadyn_config(a).padded_vocab_size(tp)
 
 
 def flops_per_iteration(a) -> int:
     """Forward + backward matmul FLOPs of one step of a.gbs sequences: megadyn/models/flops.py's
-    count (QKV with GQA, attention scores and values, output projection, 2 or 3 MLP matrices,
-    LM head; no causal halving, norms and embedding lookup not counted)."""
-    h, s, f = a.hidden, a.seq, a.ffn_hidden_size
-    kv = h // a.heads * a.num_query_groups
-    mlp = 3 if a.swiglu else 2
-    per_layer = h * (h + 2 * kv) + 2 * s * h + h * h + mlp * h * f
-    return 6 * a.gbs * s * (a.layers * per_layer + h * padded_vocab(a))
+    count, so the MFU columns of every framework compare."""
+    from megadyn.models.flops import model_flops_per_iteration
+
+    return model_flops_per_iteration(megadyn_config(a), a.gbs, a.seq)
 
 
 KERNELS = {  # --attention-backend: SDPA's kernels in order ("auto": cuDNN first on Hopper)
