@@ -225,3 +225,27 @@ def test_async_save_keeps_last_k(tmp_path):
         assert f.read().strip() == "6"
     resumed = train(1, "--load", os.path.join(save, "iter_0000004"))
     close(resumed, losses[4:])
+
+
+def test_precision_aware_optimizer_through_the_cli(tmp_path):
+    """`python pretrain_gpt.py --bf16 --use-precision-aware-optimizer` as a user runs it: a
+    run that saves, a resume of it from its older checkpoint, a resume from a checkpoint truncated since (one error line
+    naming the file and the older checkpoint, no traceback, exit 2), and the flag without
+    --bf16 refused naming it."""
+    save = str(tmp_path / "ckpt")
+    flags = [*COMMON, "--bf16", "--use-precision-aware-optimizer"]
+    code, out = cli("pretrain_gpt.py", *flags, "--save", save, "--save-interval", "3")
+    assert code == 0 and latest_checkpoint(save) == os.path.join(save, "iter_0000006"), out
+    code, out = cli("pretrain_gpt.py", *flags, "--load", save, "--ckpt-step", "3")
+    done = [int(i) for i in re.findall(r" iteration +(\d+)/ *6\b", out)]
+    assert code == 0 and done == [4, 5, 6], out  # resumed after iteration 3
+    newest = os.path.join(save, "iter_0000006")
+    shard = sorted(p for p in os.listdir(newest) if p.endswith(".distcp"))[0]
+    truncate(os.path.join(newest, shard))
+    code, out = cli("pretrain_gpt.py", *flags, "--load", save)
+    said = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert code == 2 and len(said) == 1 and "Traceback" not in out, out
+    assert f"{os.path.join(newest, shard)} is short by" in said[0], out
+    assert "--ckpt-step 3" in said[0], out
+    code, out = cli("pretrain_gpt.py", *COMMON, "--use-precision-aware-optimizer")
+    assert code == 2 and "--use-precision-aware-optimizer" in out and "Traceback" not in out, out
