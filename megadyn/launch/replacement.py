@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from megadyn.launch import failures, hosts, rejoin, torchrun_env
 from megadyn.launch.console import print_line
 from megadyn.launch.distributed_init import attempt_prefix
-from megadyn.launch.store_client import ReconnectingStore
+from megadyn.launch.store_client import ReconnectingStore, probe
 from megadyn.launch.watchdog import attempt_world
 
 FENCED_EXIT = 3
@@ -43,7 +42,7 @@ def coordinator_answers(coordinator: tuple[str, int], wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            socket.create_connection(coordinator, timeout=1.0).close()
+            probe(coordinator, 1.0)
             return True
         except OSError:
             if time.monotonic() > deadline:

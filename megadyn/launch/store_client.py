@@ -38,6 +38,12 @@ CONNECT_S = 5.0
 """How long the new client may take to connect once the address answers."""
 
 
+def probe(address: tuple[str, int], timeout_s: float) -> None:
+    """Open and close a plain TCP connection to `address` (OSError if nothing answers within
+    `timeout_s`): a check that costs no store client's error log."""
+    socket.create_connection(address, timeout=timeout_s).close()
+
+
 class CoordinatorDown(dist.DistNetworkError):
     """The coordinator did not answer within the call's wait."""
 
@@ -112,7 +118,7 @@ class ReconnectingStore(dist.Store):
                 return None
             self._next_try = time.monotonic() + RETRY_S
             try:  # a plain connect first: torch's client logs every failed attempt
-                socket.create_connection((self.host, self.port), timeout=RETRY_S).close()
+                probe((self.host, self.port), RETRY_S)
                 self._client = self._tcp_client(timedelta(seconds=CONNECT_S))
             except (OSError, dist.DistError):
                 return None

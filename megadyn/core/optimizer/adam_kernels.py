@@ -25,6 +25,7 @@ some elements, as torch's fused and foreach AdamW do.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -87,40 +88,36 @@ def _launch(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
     )  # fmt: skip
 
 
-_KERNEL = None
-
-
+@functools.cache
 def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
+    """The Triton kernel, compiled on first use (triton is imported only where it runs)."""
+    import triton
+    import triton.language as tl
 
-        @triton.jit
-        def adamw_remainders_kernel(
-            w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, n,
-            decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-            BLOCK: tl.constexpr,
-        ):  # fmt: skip
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            inside = offs < n
-            high = tl.load(w_ptr + offs, mask=inside).to(tl.int32)
-            low = tl.load(r_ptr + offs, mask=inside).to(tl.int32)
-            g = tl.load(g_ptr + offs, mask=inside)
-            m = tl.load(m_ptr + offs, mask=inside)
-            v = tl.load(v_ptr + offs, mask=inside)
-            p = ((high << 16) + low).to(tl.float32, bitcast=True) * decay
-            m = m + (g - m) * one_minus_beta1
-            v = v * beta2 + g * g * one_minus_beta2
-            denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-            p = p - tl.math.div_rn(m * step_size, denom)
-            bits = p.to(tl.int32, bitcast=True)
-            high = (bits + 0x8000) >> 16
-            low = bits - (high << 16)
-            tl.store(w_ptr + offs, high.to(tl.int16), mask=inside)
-            tl.store(r_ptr + offs, low.to(tl.int16), mask=inside)
-            tl.store(m_ptr + offs, m, mask=inside)
-            tl.store(v_ptr + offs, v, mask=inside)
+    @triton.jit
+    def adamw_remainders_kernel(
+        w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, n,
+        decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        high = tl.load(w_ptr + offs, mask=inside).to(tl.int32)
+        low = tl.load(r_ptr + offs, mask=inside).to(tl.int32)
+        g = tl.load(g_ptr + offs, mask=inside)
+        m = tl.load(m_ptr + offs, mask=inside)
+        v = tl.load(v_ptr + offs, mask=inside)
+        p = ((high << 16) + low).to(tl.float32, bitcast=True) * decay
+        m = m + (g - m) * one_minus_beta1
+        v = v * beta2 + g * g * one_minus_beta2
+        denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.math.div_rn(m * step_size, denom)
+        bits = p.to(tl.int32, bitcast=True)
+        high = (bits + 0x8000) >> 16
+        low = bits - (high << 16)
+        tl.store(w_ptr + offs, high.to(tl.int16), mask=inside)
+        tl.store(r_ptr + offs, low.to(tl.int16), mask=inside)
+        tl.store(m_ptr + offs, m, mask=inside)
+        tl.store(v_ptr + offs, v, mask=inside)
 
-        _KERNEL = adamw_remainders_kernel
-    return _KERNEL
+    return adamw_remainders_kernel
