@@ -24,10 +24,15 @@ still averaged over all of data parallelism and every instance takes the same st
 
 `plan_buckets` computes the layout from the param sizes alone, without processes, for code that
 must know which dp rank owns which elements (the reshard planner).
+
+With `shard_grads` (--data-parallel-sharding-strategy optim_grads, ZeRO-2) there is no
+`grad_data`: only `grad_shard`, this dp rank's parts of every bucket, persists, and the buckets
+stage their full gradients per micro batch (sharded_grads.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -101,6 +106,7 @@ class Bucket:
         average_in_collective: bool,
         replica_group=None,
         comm_stream=None,
+        numel: int | None = None,
     ):
         self.index = index
         self.params = params
@@ -120,10 +126,7 @@ class Bucket:
         self._handle = None
         self._launched = False  # the reduction was started (by the hooks or by start_grad_sync)
         self._synced = False  # ... and finished: main_grad is final until the next reset()
-
-    @property
-    def numel(self) -> int:
-        return self.grad_data.numel()
+        self.numel = grad_data.numel() if numel is None else numel
 
     def shard_range(self, dp_rank: int | None = None) -> tuple[int, int]:
         """Range of this bucket that `dp_rank` owns (all of it without the distributed optimizer)."""
@@ -226,6 +229,7 @@ class ParamAndGradBuffer:
         separate_bucket_params: set[nn.Parameter] = frozenset(),
         replica_group=None,
         comm_stream=None,
+        shard_grads: bool = False,
     ):
         self.params = list(params)  # registration order
         self.param_dtype = self.params[0].dtype
@@ -244,7 +248,12 @@ class ParamAndGradBuffer:
         self.numel = bucket_ranges[-1][1] if bucket_ranges else 0
         device = self.params[0].device
 
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        dp = dist.get_world_size(dp_group)
+        self.grad_data, self.grad_shard = None, None  # full buffer, or (optim_grads) the shards
+        if shard_grads:
+            self.grad_shard = torch.zeros(self.numel // dp, dtype=grad_dtype, device=device)
+        else:
+            self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
         if use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
@@ -253,7 +262,8 @@ class ParamAndGradBuffer:
                 view = self.param_data[start:end].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view(param.shape)
+            if self.grad_data is not None:
+                param.main_grad = self.grad_data[start:end].view(param.shape)
 
         members: list[list[nn.Parameter]] = [[] for _ in bucket_ranges]
         for param in reversed(self.params):
@@ -264,13 +274,19 @@ class ParamAndGradBuffer:
                 p: (self.param_index[p][0] - start, self.param_index[p][1] - start)
                 for p in bucket_params
             }
+            make = Bucket
+            if shard_grads:
+                from megadyn.core.distributed.sharded_grads import ShardedGradBucket
+
+                shard = self.grad_shard[start // dp : end // dp]
+                make = functools.partial(ShardedGradBucket, grad_shard=shard, numel=end - start)
             self.buckets.append(
-                Bucket(
+                make(
                     index,
                     bucket_params,
                     ranges,
                     start,
-                    self.grad_data[start:end],
+                    None if shard_grads else self.grad_data[start:end],
                     None if self.param_data is None else self.param_data[start:end],
                     dp_group,
                     use_distributed_optimizer=use_distributed_optimizer,
@@ -291,7 +307,7 @@ class ParamAndGradBuffer:
             bucket.finish_grad_sync()
 
     def zero_grad(self) -> None:
-        self.grad_data.zero_()
+        (self.grad_data if self.grad_shard is None else self.grad_shard).zero_()
         for bucket in self.buckets:
             bucket.reset()
 
