@@ -115,6 +115,11 @@ def _validate_sharding_strategy(cfg: MegadynConfig, layout: Layout) -> None:
     flag = "--data-parallel-sharding-strategy optim_grads"
     if not cfg.optimizer.use_distributed_optimizer:
         raise ConfigError(f"{flag} needs --use-distributed-optimizer")
+    if not cfg.parallel.overlap_grad_reduce:  # else a buffer is one bucket, staged whole
+        raise ConfigError(
+            f"{flag} needs --overlap-grad-reduce: without it each micro batch's gradients are "
+            "staged whole until its backward ends, more memory than the default strategy"
+        )
     unsupported = {
         "--pipeline-model-parallel-size > 1": layout.pp > 1,
         "--num-distributed-optimizer-instances > 1": layout.distopt_instances > 1,

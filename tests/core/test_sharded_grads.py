@@ -28,7 +28,12 @@ from tests.training.test_training_run import JOB
 
 STEPS, MICRO = 3, 4
 ARGS = tiny_args(
-    JOB, use_distributed_optimizer=True, lr="1e-3", min_lr="1e-4", train_iters=STEPS
+    JOB,
+    use_distributed_optimizer=True,
+    overlap_grad_reduce=True,
+    lr="1e-3",
+    min_lr="1e-4",
+    train_iters=STEPS,
 )  # global batch 4 x dp: 4 micro batches of 1 sample a rank
 
 
@@ -46,13 +51,14 @@ def _watch(trainer) -> list[bool]:
     """After each backward's flush: whether every staging tensor was released."""
     released = []
     for ddp in trainer.ddp:
-        flush = ddp._flush_staging
+        staging = ddp._staging
+        flush = staging.flush
 
-        def checked(flush=flush, ddp=ddp):
+        def checked(flush=flush, staging=staging):
             flush()
-            released.append(all(b.staging is None for x in ddp.buffers for b in x.buckets))
+            released.append(all(b.staging is None for b in staging.buckets))
 
-        ddp._flush_staging = checked
+        staging.flush = checked
     return released
 
 
@@ -122,6 +128,21 @@ def _with_save(cfg, path):
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=path))
 
 
+def _count_live(ddp) -> list[int]:
+    """Each time a bucket stages: how many buckets hold a staging tensor then."""
+    live, buckets = [], ddp._staging.buckets
+    for bucket in buckets:
+        stage = bucket.stage
+
+        def counted(stage=stage):
+            out = stage()
+            live.append(sum(b.staging is not None for b in buckets))
+            return out
+
+        bucket.stage = counted
+    return live
+
+
 def _small_buckets(rank, world) -> None:
     """Many buckets, overlapped reduction, no_sync for all but the last micro batch: ZeRO-2
     launches each bucket in the backward, every micro batch, and matches ZeRO-1."""
@@ -129,13 +150,17 @@ def _small_buckets(rank, world) -> None:
     runs = {}
     for strategy in ("optim", "optim_grads"):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(7, 13), nn.LayerNorm(13), nn.GELU(), nn.Linear(13, 5))
+        model = nn.Sequential(
+            nn.Linear(7, 13), nn.LayerNorm(13), nn.GELU(), nn.Linear(13, 13), nn.GELU(),
+            nn.Linear(13, 5),
+        )  # fmt: skip
         ddp = DistributedDataParallel(
             model, groups.dp_group, overlap_grad_reduce=True, use_distributed_optimizer=True,
-            bucket_size=64, data_parallel_sharding_strategy=strategy,
+            bucket_size=16, data_parallel_sharding_strategy=strategy,
         )  # fmt: skip
         cfg = OptimizerConfig(lr=1e-2, clip_grad=0.05, use_distributed_optimizer=True)
         opt = build_optimizer([ddp], [ddp], groups, cfg)
+        live = _count_live(ddp) if strategy == "optim_grads" else []
         norms = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -149,7 +174,8 @@ def _small_buckets(rank, world) -> None:
         runs[strategy] = (norms, [p.detach().clone() for p in model.parameters()], ddp)
     (norms1, weights1, _), (norms2, weights2, ddp) = runs["optim"], runs["optim_grads"]
     buckets = ddp.buffers[0].buckets
-    assert len(buckets) > 1 and all(b.staged == STEPS * MICRO for b in buckets)
+    assert len(buckets) == 4 and all(b.staged == STEPS * MICRO for b in buckets)
+    assert max(live) <= 2 < len(buckets)  # the one reducing and the one filling
     torch.testing.assert_close(norms2, norms1, rtol=1e-6, atol=0)
     for a, b in zip(weights1, weights2):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
@@ -165,6 +191,12 @@ def _dp2(rank, world, ckpt_dir):
     _memory(zero2, released)
     _states_close(_states(zero2), _states(zero1), exact=False)
     _cross_checkpoints(world, zero1, zero2, ckpt_dir)
+    # bf16 weights: the layers add their weight gradients through main_grad_of (wgrad.py)
+    ref = _run(_trainer(world, "optim", "--bf16"))
+    zero2 = _trainer(world, "optim_grads", "--bf16")
+    released = _watch(zero2)
+    _close(ref, _run(zero2))
+    _memory(zero2, released)
 
 
 def test_zero2_trains_like_zero1_at_dp2_and_checkpoints_cross(tmp_path):
@@ -187,7 +219,8 @@ def test_zero2_trains_like_zero1_at_dp2_tp2_sequence_parallel():
 @pytest.mark.parametrize(
     "flags, world, message",
     [
-        ([], 2, "needs --use-distributed-optimizer"),
+        (["--overlap-grad-reduce"], 2, "needs --use-distributed-optimizer"),
+        (["--use-distributed-optimizer"], 2, "needs --overlap-grad-reduce"),
         (["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"], 2,
          "--pipeline-model-parallel-size > 1"),
         (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 4,
@@ -197,6 +230,7 @@ def test_zero2_trains_like_zero1_at_dp2_tp2_sequence_parallel():
 )  # fmt: skip
 def test_argument_errors(flags, world, message):
     argv = tiny_args(train_iters=1) + flags + ["--data-parallel-sharding-strategy", "optim_grads"]
+    argv += [] if flags == ["--use-distributed-optimizer"] else ["--overlap-grad-reduce"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(argv, world)
 

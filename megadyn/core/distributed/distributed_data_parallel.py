@@ -33,7 +33,7 @@ from torch import nn
 
 from megadyn.core.distributed.finalize_model_grads import tied_embedding_weight
 from megadyn.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megadyn.core.distributed.sharded_grads import STRATEGIES, flush_staging
+from megadyn.core.distributed.sharded_grads import STRATEGIES, StagedReduction
 from megadyn.core.tensor_parallel.wgrad import accumulate, main_grad_of
 
 
@@ -118,7 +118,6 @@ class DistributedDataParallel(nn.Module):
                 "--data-parallel-sharding-strategy optim_grads needs --use-distributed-optimizer "
                 "(and does not run with --heterogeneous-pipelines yet)"
             )
-        self._flush_queued = False
         comm_stream = None
         first = next(module.parameters(), None)
         if replica_group is not None and first is not None and first.is_cuda:
@@ -160,6 +159,10 @@ class DistributedDataParallel(nn.Module):
         self._param_to_bucket: dict[nn.Parameter, Bucket] = {}
         for buffer in self.buffers:
             self._param_to_bucket.update(buffer.param_to_bucket)
+        self._staging = None  # optim_grads: the per-micro-batch reductions
+        if self.shard_grads:
+            buckets = [b for buffer in self.buffers for b in buffer.buckets]
+            self._staging = StagedReduction(buckets, overlap_grad_reduce)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_to_bucket
         ]
@@ -181,16 +184,10 @@ class DistributedDataParallel(nn.Module):
                 accumulate(main_grad_of(param), param.grad)
             param.grad = None
         param.grad_added_to_main_grad = False
-        if self.shard_grads and not self._flush_queued:  # every micro batch, under no_sync too
-            self._flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_staging)
-        if self.overlap_grad_reduce and (self.is_last_microbatch or self.shard_grads):
+        if self._staging is not None:  # optim_grads: every micro batch, under no_sync too
+            self._staging.grad_ready(self._param_to_bucket[param], param)
+        elif self.overlap_grad_reduce and self.is_last_microbatch:
             self._param_to_bucket[param].register_grad_ready(param)
-
-    def _flush_staging(self) -> None:
-        """End of a backward under optim_grads: reduce the staged gradients into the shards."""
-        self._flush_queued = False
-        flush_staging([b for buffer in self.buffers for b in buffer.buckets])
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

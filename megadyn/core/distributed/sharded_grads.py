@@ -18,13 +18,14 @@ A bucket's full gradients exist only while one micro batch's backward produces t
    while the backward goes on) or at the end of the backward (a callback queued on autograd's
    engine by the first gradient hook), the staging is reduce-scattered over the shard group in
    place, every micro batch: `no_sync()` does not defer it under this strategy.
-3. accumulation: after the reduction, the rank's part of the staging is added into
-   `grad_shard` and the staging is dropped. On CUDA the add is queued on the current stream
+3. accumulation: once the next bucket is launched (or the backward ends), the rank's part of
+   the staging is added into `grad_shard` and the staging is dropped. On CUDA the add is queued on the current stream
    after the collective's wait, so the caching allocator hands the memory to later buckets in
    stream order (with a side communication stream, the staging is recorded on it first).
 
 Peak gradient memory is then `grad_shard` (numel / dp) plus the staging of the buckets in flight,
-instead of the full buffer. Each micro batch reduce-scatters the whole buffer (Megatron's
+instead of the full buffer; that needs several buckets and --overlap-grad-reduce (without it a
+buffer is one bucket, staged whole until the backward ends: more than ZeRO-1 holds then). Each micro batch reduce-scatters the whole buffer (Megatron's
 optim_grads does the same), where ZeRO-1 reduce-scatters it once a step.
 
 `ParamShard.grad()` (the optimizer) reads `shard_grad(param)`, the parameter's piece of
@@ -53,6 +54,7 @@ class ShardedGradBucket(Bucket):
         self.grad_shard = grad_shard  # [numel / dp] view of the buffer's grad_shard
         self.staging: torch.Tensor | None = None  # [numel], while a micro batch's grads exist
         self.staged = 0  # staging tensors allocated so far (tests count them)
+        self.reduced = False  # this micro batch's gradients went into grad_shard
         for param in self.params:
             param.grad_staging = self
 
@@ -119,18 +121,51 @@ class ShardedGradBucket(Bucket):
         self.staging = None
         self._ready.clear()
         self._launched = False
+        self.reduced = True
 
     def reset(self) -> None:
         super().reset()
-        self.staging = None
+        self.staging, self.reduced = None, False
 
 
-def flush_staging(buckets: list[ShardedGradBucket]) -> None:
-    """End of one micro batch's backward: reduce every bucket's staged gradients into the
-    shards. Every bucket is reduced (one with no gradient this micro batch as zeros), so all
-    ranks run the same collectives; all are launched before the first wait."""
-    for bucket in buckets:
-        bucket.stage()
-        bucket.start_grad_sync()
-    for bucket in buckets:
-        bucket.finish_grad_sync()
+class StagedReduction:
+    """The per-micro-batch reductions of one DDP chunk's `ShardedGradBucket`s.
+
+    Its `grad_ready` runs in the gradient hook of every parameter. With `overlap` a bucket is
+    launched once all its parameters have their gradient, and then the buckets launched before
+    it are finished (waited for, accumulated, released): at most one bucket reduces while the
+    next ones fill, so the staging in use stays a few buckets. The first hook of a backward
+    queues `flush` on autograd's engine, which runs when that backward ends.
+    """
+
+    def __init__(self, buckets: list[ShardedGradBucket], overlap: bool):
+        self.buckets, self.overlap = buckets, overlap
+        self._queued = False
+        self._launched: list[ShardedGradBucket] = []
+
+    def grad_ready(self, bucket: ShardedGradBucket, param: nn.Parameter) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        if not self.overlap:
+            return
+        bucket.register_grad_ready(param)
+        if bucket._launched and bucket not in self._launched:
+            for earlier in self._launched:
+                earlier.finish_grad_sync()
+            self._launched = [bucket]
+
+    def flush(self) -> None:
+        """End of one micro batch's backward: reduce every bucket's staged gradients into the
+        shards. Every bucket is reduced (one with no gradient this micro batch as zeros), so all
+        ranks run the same collectives; all are launched before the first wait. Buckets
+        reduced during the backward are not reduced again (unless gradients came after)."""
+        self._queued, self._launched = False, []
+        pending = [b for b in self.buckets if not b.reduced or b.staging is not None]
+        for bucket in pending:
+            bucket.stage()
+            bucket.start_grad_sync()
+        for bucket in pending:
+            bucket.finish_grad_sync()
+        for bucket in self.buckets:
+            bucket.reduced = False
