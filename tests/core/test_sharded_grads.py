@@ -240,3 +240,17 @@ def test_unknown_strategy_and_default():
         parse_args(tiny_args(train_iters=1) + ["--data-parallel-sharding-strategy", "x"], 2)
     cfg = parse_args(tiny_args(train_iters=1), 2)
     assert cfg.parallel.data_parallel_sharding_strategy == "optim"
+
+
+def _bench(rank, world):
+    from megadyn.bench.gpt import parse_args as bench_args
+    from megadyn.bench.gpt import run_gpt_bench
+
+    tiny = "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --mbs 2 --gbs 8".split()
+    flags = tiny + ["--iters", "1", "--warmup", "1", "--data-parallel-sharding-strategy"]
+    return run_gpt_bench(bench_args(flags + ["optim_grads"]), torch.device("cpu"))
+
+
+def test_the_benchmark_runs_and_records_the_strategy():
+    record = spawn(_bench, world=2)[0]
+    assert record["sharding_strategy"] == "optim_grads" and record["dp"] == 2
