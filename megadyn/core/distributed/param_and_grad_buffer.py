@@ -153,32 +153,28 @@ class Bucket:
         if self._launched or self._synced:
             return
         self._launched = True
+        self._handle = self._reduce(self.grad_data)
+
+    def _reduce(self, data: torch.Tensor):
+        """Launch the reduction of `data` (this bucket's [numel] gradients), in place: scaled
+        and averaged over dp, reduce-scattered into this rank's part with the distributed
+        optimizer; its handle (None: nothing to wait for)."""
         if self.dp_size == 1 and self.replica_group is None:
-            return
+            return None
         op = dist.ReduceOp.SUM
         if self.average_in_collective:
             op = dist.ReduceOp.AVG
         elif self.gradient_scaling_factor != 1.0:
-            self.grad_data.mul_(self.gradient_scaling_factor)
+            data.mul_(self.gradient_scaling_factor)
+        start, end = self.shard_range()
         if self.replica_group is not None:
-            start, end = self.shard_range()
-            self._handle = reduce_scatter_all_reduce(
-                self.grad_data[start:end],
-                self.grad_data,
-                self.dp_group,
-                self.replica_group,
-                op=op,
+            return reduce_scatter_all_reduce(
+                data[start:end], data, self.dp_group, self.replica_group, op=op,
                 stream=self.comm_stream,
-            )
-        elif self.use_distributed_optimizer:
-            start, end = self.shard_range()
-            self._handle = reduce_scatter_flat(
-                self.grad_data[start:end], self.grad_data, self.dp_group, op=op, async_op=True
-            )
-        else:
-            self._handle = dist.all_reduce(
-                self.grad_data, op=op, group=self.dp_group, async_op=True
-            )
+            )  # fmt: skip
+        if self.use_distributed_optimizer:
+            return reduce_scatter_flat(data[start:end], data, self.dp_group, op=op, async_op=True)
+        return dist.all_reduce(data, op=op, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Wait for this bucket's reduction (launching it first if it has not started).

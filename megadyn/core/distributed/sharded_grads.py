@@ -36,10 +36,8 @@ optim_grads does the same), where ZeRO-1 reduce-scatters it once a step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megadyn.core.distributed.comm import reduce_scatter_all_reduce, reduce_scatter_flat
 from megadyn.core.distributed.param_and_grad_buffer import Bucket
 
 STRATEGIES = ("optim", "optim_grads")
@@ -86,24 +84,7 @@ class ShardedGradBucket(Bucket):
         if self._launched or self.staging is None:
             return
         self._launched = True
-        if self.dp_size == 1 and self.replica_group is None:
-            return
-        op = dist.ReduceOp.SUM
-        if self.average_in_collective:
-            op = dist.ReduceOp.AVG
-        elif self.gradient_scaling_factor != 1.0:
-            self.staging.mul_(self.gradient_scaling_factor)
-        start, end = self.shard_range()
-        part = self.staging[start:end]
-        if self.replica_group is not None:
-            self._handle = reduce_scatter_all_reduce(
-                part, self.staging, self.dp_group, self.replica_group, op=op,
-                stream=self.comm_stream,
-            )  # fmt: skip
-        else:
-            self._handle = reduce_scatter_flat(
-                part, self.staging, self.dp_group, op=op, async_op=True
-            )
+        self._handle = self._reduce(self.staging)
 
     def finish_grad_sync(self) -> None:
         """Finish the staged micro batch: wait for its reduction, add this rank's part into
