@@ -39,7 +39,8 @@ ARGS = tiny_args(
 
 def _trainer(world, strategy, *flags):
     tp = 2 if "--sequence-parallel" in flags else 1
-    argv = ARGS + ["--global-batch-size", str(MICRO * world // tp)]
+    cp = 2 if "--context-parallel-size" in flags else 1
+    argv = ARGS + ["--global-batch-size", str(MICRO * world // (tp * cp))]
     argv += ["--tensor-model-parallel-size", str(tp), *flags]
     argv += ["--data-parallel-sharding-strategy", strategy]
     cfg = parse_args(argv, world)
@@ -191,29 +192,37 @@ def _dp2(rank, world, ckpt_dir):
     _memory(zero2, released)
     _states_close(_states(zero2), _states(zero1), exact=False)
     _cross_checkpoints(world, zero1, zero2, ckpt_dir)
-    # bf16 weights: the layers add their weight gradients through main_grad_of (wgrad.py)
-    ref = _run(_trainer(world, "optim", "--bf16"))
-    zero2 = _trainer(world, "optim_grads", "--bf16")
-    released = _watch(zero2)
-    _close(ref, _run(zero2))
-    _memory(zero2, released)
+    # bf16 weights: the layers add their weight gradients through main_grad_of (wgrad.py);
+    # with remainders in place of the fp32 main weights; fp16 with its loss scaler
+    for flags in (
+        ["--bf16"],
+        ["--bf16", "--use-precision-aware-optimizer"],
+        ["--fp16", "--initial-loss-scale", "1024"],
+    ):
+        ref = _run(_trainer(world, "optim", *flags))
+        zero2 = _trainer(world, "optim_grads", *flags)
+        released = _watch(zero2)
+        _close(ref, _run(zero2))
+        _memory(zero2, released)
 
 
 def test_zero2_trains_like_zero1_at_dp2_and_checkpoints_cross(tmp_path):
     spawn(_dp2, world=2, args=(str(tmp_path),), timeout_s=300)
 
 
-def _tp2_sp(rank, world):
-    """tp 2 with sequence parallelism: the norm gradients' tp all-reduce on the shards."""
-    ref = _run(_trainer(world, "optim", "--sequence-parallel"))
-    zero2 = _trainer(world, "optim_grads", "--sequence-parallel")
-    released = _watch(zero2)
-    _close(ref, _run(zero2))
-    _memory(zero2, released)
+def _tp2_sp_and_cp2(rank, world):
+    """tp 2 with sequence parallelism (the norm gradients' tp all-reduce on the shards), and cp
+    2 (the gradients sharded over dp x cp)."""
+    for flags in (["--sequence-parallel"], ["--context-parallel-size", "2"]):
+        ref = _run(_trainer(world, "optim", *flags))
+        zero2 = _trainer(world, "optim_grads", *flags)
+        released = _watch(zero2)
+        _close(ref, _run(zero2))
+        _memory(zero2, released)
 
 
-def test_zero2_trains_like_zero1_at_dp2_tp2_sequence_parallel():
-    spawn(_tp2_sp, world=4, timeout_s=300)
+def test_zero2_trains_like_zero1_at_dp2_tp2_sequence_parallel_and_dp2_cp2():
+    spawn(_tp2_sp_and_cp2, world=4, timeout_s=300)
 
 
 @pytest.mark.parametrize(
