@@ -183,6 +183,30 @@ def _small_buckets(rank, world) -> None:
     torch.testing.assert_close(norms2, norms1, rtol=1e-6, atol=0)
     for a, b in zip(weights1, weights2):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    _after_a_failed_backward(ddp, buckets)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+def _after_a_failed_backward(ddp, buckets) -> None:
+    """A backward that raises after some hooks ran never runs its flush: zero_grad_buffer
+    forgets it, and the next backward reduces and releases everything again."""
+    x = torch.ones(2, 7, requires_grad=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        ddp(_Boom.apply(x)).sum().backward()
+    ddp.zero_grad_buffer()
+    assert all(b.staging is None for b in buckets)
+    ddp(torch.ones(2, 7)).sum().backward()
+    assert all(b.staging is None and b.staged == STEPS * MICRO + 2 for b in buckets[:-1])
+    assert buckets[-1].staging is None  # the first layer's: no gradient before the raise
 
 
 def _dp2(rank, world, ckpt_dir):

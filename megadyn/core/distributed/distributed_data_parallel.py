@@ -221,6 +221,8 @@ class DistributedDataParallel(nn.Module):
             param.grad_added_to_main_grad = False
         for buffer in self.buffers:
             buffer.zero_grad()
+        if self._staging is not None:
+            self._staging.reset()
 
     def all_gather_params(self) -> None:
         """Distributed optimizer: gather every dp rank's updated parameter shard into the params

@@ -136,6 +136,10 @@ class StagedReduction:
                 earlier.finish_grad_sync()
             self._launched = [bucket]
 
+    def reset(self) -> None:
+        """Forget a backward that never ended (it raised): its flush was not run."""
+        self._queued, self._launched = False, []
+
     def flush(self) -> None:
         """End of one micro batch's backward: reduce every bucket's staged gradients into the
         shards. Every bucket is reduced (one with no gradient this micro batch as zeros), so all
