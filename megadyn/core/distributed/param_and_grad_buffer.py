@@ -258,8 +258,9 @@ class ParamAndGradBuffer:
                 view = self.param_data[start:end].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-            if self.grad_data is not None:
+            if self.grad_data is not None:  # (a param wrapped before may carry grad_staging)
                 param.main_grad = self.grad_data[start:end].view(param.shape)
+                param.__dict__.pop("grad_staging", None)
 
         members: list[list[nn.Parameter]] = [[] for _ in bucket_ranges]
         for param in reversed(self.params):

@@ -19,14 +19,16 @@ A bucket's full gradients exist only while one micro batch's backward produces t
    engine by the first gradient hook), the staging is reduce-scattered over the shard group in
    place, every micro batch: `no_sync()` does not defer it under this strategy.
 3. accumulation: once the next bucket is launched (or the backward ends), the rank's part of
-   the staging is added into `grad_shard` and the staging is dropped. On CUDA the add is queued on the current stream
-   after the collective's wait, so the caching allocator hands the memory to later buckets in
-   stream order (with a side communication stream, the staging is recorded on it first).
+   the staging is added into `grad_shard` and the staging is dropped. On CUDA the add is
+   queued on the current stream after the collective's wait, so the caching allocator hands
+   the memory to later buckets in stream order (with a side communication stream, the staging
+   is recorded on it first).
 
-Peak gradient memory is then `grad_shard` (numel / dp) plus the staging of the buckets in flight,
-instead of the full buffer; that needs several buckets and --overlap-grad-reduce (without it a
-buffer is one bucket, staged whole until the backward ends: more than ZeRO-1 holds then). Each micro batch reduce-scatters the whole buffer (Megatron's
-optim_grads does the same), where ZeRO-1 reduce-scatters it once a step.
+Peak gradient memory is then `grad_shard` (numel / dp) plus the staging of the buckets in
+flight (at most one reducing and the ones filling), instead of the full buffer. That needs
+several buckets and --overlap-grad-reduce: without it a buffer is one bucket, staged whole until
+the backward ends, more than ZeRO-1 holds then. The price: each micro batch reduce-scatters
+the whole buffer, where ZeRO-1 reduce-scatters it once a step.
 
 `ParamShard.grad()` (the optimizer) reads `shard_grad(param)`, the parameter's piece of
 `grad_shard`; sequence parallelism's tp all-reduce of norm gradients works on those pieces too
@@ -55,6 +57,7 @@ class ShardedGradBucket(Bucket):
         self.reduced = False  # this micro batch's gradients went into grad_shard
         for param in self.params:
             param.grad_staging = self
+            param.__dict__.pop("main_grad", None)  # of an earlier wrapping
 
     # --- staging ---------------------------------------------------------------------------
     def stage(self) -> torch.Tensor:
