@@ -78,6 +78,12 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         help="copies of the distributed optimizer's state, each sharded over dp / N ranks",
     )
     p.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=["optim", "optim_grads"],
+        default="optim",
+        help="optim_grads: gradients sharded over dp too (ZeRO-2; pp 1, no --cuda-graph)",
+    )
+    p.add_argument(
         "--use-precision-aware-optimizer",
         action="store_true",
         help="bf16 weight + 16-bit remainder in place of each fp32 main weight (pretrain_gpt's flag)",
@@ -141,6 +147,13 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     )
     a = p.parse_args(argv)
     check_model_args(p, a)
+    zero2 = a.data_parallel_sharding_strategy == "optim_grads"
+    if zero2 and (
+        a.pp > 1 or a.cuda_graph or a.no_distributed_optimizer or a.distopt_instances > 1
+    ):
+        p.error(
+            "--data-parallel-sharding-strategy optim_grads: pp 1, no --cuda-graph, one optimizer instance"
+        )
     return a
 
 
@@ -167,6 +180,7 @@ def job_config(a: argparse.Namespace) -> MegadynConfig:
             overlap_grad_reduce=not a.no_overlap_grad_reduce,
             overlap_param_gather=not a.no_overlap_param_gather,
             num_distributed_optimizer_instances=a.distopt_instances,
+            data_parallel_sharding_strategy=a.data_parallel_sharding_strategy,
         ),
         training=TrainingConfig(
             micro_batch_size=a.mbs,
@@ -303,6 +317,7 @@ def record(
         dp=dp,
         distopt_instances=a.distopt_instances,
         precision_aware_optimizer=a.use_precision_aware_optimizer,
+        sharding_strategy=a.data_parallel_sharding_strategy,
         sp=a.sp,
         cp=a.cp,
         cp_comm_type=a.cp_comm_type if a.cp > 1 else None,

@@ -156,6 +156,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
     par("--num-distributed-optimizer-instances", type=int)
+    par("--data-parallel-sharding-strategy", choices=["optim", "optim_grads"])
     par("--heterogeneous-pipelines", type=int, nargs="*", metavar="STAGES")
     par("--distributed-timeout-minutes", type=int)
     _add_elastic_args(p)

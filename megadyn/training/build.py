@@ -87,6 +87,7 @@ def build_model_parts(
             shard_group=groups.intra_distopt_group,  # --num-distributed-optimizer-instances
             replica_group=groups.inter_distopt_group,
             grad_groups=_grad_groups(c, hetero),
+            data_parallel_sharding_strategy=p.data_parallel_sharding_strategy,
         )
         for c in chunks
     ]

@@ -91,6 +91,11 @@ class ParallelConfig:
     data-parallel ranks form this many instances, each sharding the state over its own ranks,
     so each shard is also held by a rank of every other instance. A layout whose dp x cp it
     does not divide (after a live change) runs with one instance and says so."""
+    data_parallel_sharding_strategy: str = "optim"
+    """What the distributed optimizer shards over data parallelism
+    (--data-parallel-sharding-strategy): "optim" (ZeRO-1) the main params and Adam state,
+    "optim_grads" (ZeRO-2) the gradients too: a rank keeps only its part of them between micro
+    batches, reduce-scattering every micro batch (megadyn/core/distributed/sharded_grads.py)."""
     heterogeneous_pipelines: tuple[int, ...] | None = None
     """Data-parallel replicas of different pipeline depth, built from pipeline templates
     (--heterogeneous-pipelines [STAGES ...]): with stage counts (e.g. 3 2) the job starts as

@@ -87,6 +87,7 @@ def _validate_layout(cfg: MegadynConfig, world_size: int) -> Layout:
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
         )
     _validate_distopt_instances(par.num_distributed_optimizer_instances, dist_opt, layout)
+    _validate_sharding_strategy(cfg, layout)
     MicroBatchCalculator.from_config(cfg.training).check_dp_size(layout.dp)
     return layout
 
@@ -105,6 +106,33 @@ def _validate_distopt_instances(instances: int, dist_opt: bool, layout: Layout) 
             "change it or the number of processes (world size / (--tensor-model-parallel-size "
             "x --pipeline-model-parallel-size))"
         )
+
+
+def _validate_sharding_strategy(cfg: MegadynConfig, layout: Layout) -> None:
+    """--data-parallel-sharding-strategy optim_grads: what its first version runs with."""
+    if cfg.parallel.data_parallel_sharding_strategy != "optim_grads":
+        return
+    flag = "--data-parallel-sharding-strategy optim_grads"
+    if not cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError(f"{flag} needs --use-distributed-optimizer")
+    if not cfg.parallel.overlap_grad_reduce:  # else a buffer is one bucket, staged whole
+        raise ConfigError(
+            f"{flag} needs --overlap-grad-reduce: without it each micro batch's gradients are "
+            "staged whole until its backward ends, more memory than the default strategy"
+        )
+    unsupported = {
+        "--pipeline-model-parallel-size > 1": layout.pp > 1,
+        "--num-distributed-optimizer-instances > 1": layout.distopt_instances > 1,
+        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
+        "--heterogeneous-pipelines": cfg.parallel.heterogeneous_pipelines is not None,
+        "--dynamic-parallelism": cfg.training.dynamic_parallelism,
+        "live reconfiguration (--elastic-control-port, --elastic-initial-members)": (
+            cfg.elastic.live
+        ),
+    }
+    for other, used in unsupported.items():
+        if used:
+            raise ConfigError(f"{flag} does not run with {other} yet: drop one of them")
 
 
 def _validate_context_parallel(cfg: MegadynConfig, layout: Layout) -> None:

@@ -26,7 +26,7 @@ FLAGS = [
     "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion", "--pointwise-fusion", "--no-norm-fusion",
     "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-bias-dropout-fusion",
-    "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-path", "--deterministic-mode",
+    "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-parallel-sharding-strategy", "--data-path", "--deterministic-mode",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-recovery", "--exit-signal-handler", "--elastic-min-members", "--elastic-reshard-chunk-mb",
     "--elastic-snapshot-dir", "--elastic-snapshot-interval", "--elastic-straggler-policy", "--end-weight-decay", "--eval-interval", "--eval-iters",

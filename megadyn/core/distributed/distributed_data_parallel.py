@@ -16,6 +16,10 @@ are averaged over the data-parallel group.
 
 A layer that accumulates into `main_grad` itself (fused weight-gradient kernels) sets
 `param.grad_added_to_main_grad = True` and returns any gradient; it is then not added again.
+
+Under `data_parallel_sharding_strategy="optim_grads"` (ZeRO-2, sharded_grads.py) every micro
+batch's gradients are reduce-scattered at the end of its backward (no_sync() does not defer
+it) and only this rank's part persists between micro batches.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from torch import nn
 
 from megadyn.core.distributed.finalize_model_grads import tied_embedding_weight
 from megadyn.core.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megadyn.core.tensor_parallel.wgrad import accumulate
+from megadyn.core.distributed.sharded_grads import STRATEGIES, StagedReduction
+from megadyn.core.tensor_parallel.wgrad import accumulate, main_grad_of
 
 
 def default_bucket_size(overlap_grad_reduce: bool, dp_size: int) -> int | None:
@@ -56,6 +61,7 @@ class DistributedDataParallel(nn.Module):
         shard_group=None,
         replica_group=None,
         grad_groups: Mapping[nn.Parameter, object] | None = None,
+        data_parallel_sharding_strategy: str = "optim",
     ):
         """Build the buffers of `module`'s trainable params and register the gradient hooks.
 
@@ -75,6 +81,9 @@ class DistributedDataParallel(nn.Module):
         `dp_group` (the ranks holding its layer range in every replica), and the group its
         optimizer state is sharded over with the distributed optimizer; one buffer per group.
         `dp_group` is then the replica's own (size 1): gradients are summed, not averaged.
+
+        `data_parallel_sharding_strategy` "optim_grads" (with the distributed optimizer) keeps
+        only this rank's part of the gradients between micro batches (sharded_grads.py).
         """
         super().__init__()
         self.module = module
@@ -99,6 +108,16 @@ class DistributedDataParallel(nn.Module):
                     f"and instances x ranks per instance ({sizes}) equal to the data-parallel "
                     f"size ({self.dp_size})"
                 )
+        if data_parallel_sharding_strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown data-parallel sharding strategy {data_parallel_sharding_strategy!r}"
+            )
+        self.shard_grads = data_parallel_sharding_strategy == "optim_grads"
+        if self.shard_grads and (not use_distributed_optimizer or grad_groups is not None):
+            raise ValueError(
+                "--data-parallel-sharding-strategy optim_grads needs --use-distributed-optimizer "
+                "(and does not run with --heterogeneous-pipelines yet)"
+            )
         comm_stream = None
         first = next(module.parameters(), None)
         if replica_group is not None and first is not None and first.is_cuda:
@@ -133,12 +152,17 @@ class DistributedDataParallel(nn.Module):
                 separate_bucket_params=separate,
                 replica_group=replica_group,
                 comm_stream=comm_stream,
+                shard_grads=self.shard_grads,
             )
             for (_, grad_dtype, group), params in params_by_key.items()
         ]
         self._param_to_bucket: dict[nn.Parameter, Bucket] = {}
         for buffer in self.buffers:
             self._param_to_bucket.update(buffer.param_to_bucket)
+        self._staging = None  # optim_grads: the per-micro-batch reductions
+        if self.shard_grads:
+            buckets = [b for buffer in self.buffers for b in buffer.buckets]
+            self._staging = StagedReduction(buckets, overlap_grad_reduce)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_to_bucket
         ]
@@ -157,10 +181,12 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is not None:
             if not getattr(param, "grad_added_to_main_grad", False):
-                accumulate(param.main_grad, param.grad)
+                accumulate(main_grad_of(param), param.grad)
             param.grad = None
         param.grad_added_to_main_grad = False
-        if self.overlap_grad_reduce and self.is_last_microbatch:
+        if self._staging is not None:  # optim_grads: every micro batch, under no_sync too
+            self._staging.grad_ready(self._param_to_bucket[param], param)
+        elif self.overlap_grad_reduce and self.is_last_microbatch:
             self._param_to_bucket[param].register_grad_ready(param)
 
     @contextmanager
@@ -195,6 +221,8 @@ class DistributedDataParallel(nn.Module):
             param.grad_added_to_main_grad = False
         for buffer in self.buffers:
             buffer.zero_grad()
+        if self._staging is not None:
+            self._staging.reset()
 
     def all_gather_params(self) -> None:
         """Distributed optimizer: gather every dp rank's updated parameter shard into the params

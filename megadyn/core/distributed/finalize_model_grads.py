@@ -11,7 +11,9 @@
 
 The dp reduction comes first, as in Megatron. With the distributed optimizer it leaves only this
 dp rank's part of each bucket valid, which is enough: tp ranks share a buffer layout, and the tied
-embedding sits alone in a bucket on both stages (see `DistributedDataParallel`).
+embedding sits alone in a bucket on both stages (see `DistributedDataParallel`). Under
+--data-parallel-sharding-strategy optim_grads step 2 all-reduces the params' pieces of the
+gradient shards (the same pieces on every tp rank); step 3 does not run there (pp 1 only).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def tied_embedding_weight(module: nn.Module) -> nn.Parameter | None:
 
 
 def _grad(param: nn.Parameter) -> torch.Tensor:
+    staging = getattr(param, "grad_staging", None)  # optim_grads: this rank's piece only
+    if staging is not None:
+        return staging.shard_grad(param)
     return param.main_grad if hasattr(param, "main_grad") else param.grad
 
 

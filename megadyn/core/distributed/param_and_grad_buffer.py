@@ -24,10 +24,15 @@ still averaged over all of data parallelism and every instance takes the same st
 
 `plan_buckets` computes the layout from the param sizes alone, without processes, for code that
 must know which dp rank owns which elements (the reshard planner).
+
+With `shard_grads` (--data-parallel-sharding-strategy optim_grads, ZeRO-2) there is no
+`grad_data`: only `grad_shard`, this dp rank's parts of every bucket, persists, and the buckets
+stage their full gradients per micro batch (sharded_grads.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -101,6 +106,7 @@ class Bucket:
         average_in_collective: bool,
         replica_group=None,
         comm_stream=None,
+        numel: int | None = None,
     ):
         self.index = index
         self.params = params
@@ -120,10 +126,7 @@ class Bucket:
         self._handle = None
         self._launched = False  # the reduction was started (by the hooks or by start_grad_sync)
         self._synced = False  # ... and finished: main_grad is final until the next reset()
-
-    @property
-    def numel(self) -> int:
-        return self.grad_data.numel()
+        self.numel = grad_data.numel() if numel is None else numel
 
     def shard_range(self, dp_rank: int | None = None) -> tuple[int, int]:
         """Range of this bucket that `dp_rank` owns (all of it without the distributed optimizer)."""
@@ -150,32 +153,28 @@ class Bucket:
         if self._launched or self._synced:
             return
         self._launched = True
+        self._handle = self._reduce(self.grad_data)
+
+    def _reduce(self, data: torch.Tensor):
+        """Launch the reduction of `data` (this bucket's [numel] gradients), in place: scaled
+        and averaged over dp, reduce-scattered into this rank's part with the distributed
+        optimizer; its handle (None: nothing to wait for)."""
         if self.dp_size == 1 and self.replica_group is None:
-            return
+            return None
         op = dist.ReduceOp.SUM
         if self.average_in_collective:
             op = dist.ReduceOp.AVG
         elif self.gradient_scaling_factor != 1.0:
-            self.grad_data.mul_(self.gradient_scaling_factor)
+            data.mul_(self.gradient_scaling_factor)
+        start, end = self.shard_range()
         if self.replica_group is not None:
-            start, end = self.shard_range()
-            self._handle = reduce_scatter_all_reduce(
-                self.grad_data[start:end],
-                self.grad_data,
-                self.dp_group,
-                self.replica_group,
-                op=op,
+            return reduce_scatter_all_reduce(
+                data[start:end], data, self.dp_group, self.replica_group, op=op,
                 stream=self.comm_stream,
-            )
-        elif self.use_distributed_optimizer:
-            start, end = self.shard_range()
-            self._handle = reduce_scatter_flat(
-                self.grad_data[start:end], self.grad_data, self.dp_group, op=op, async_op=True
-            )
-        else:
-            self._handle = dist.all_reduce(
-                self.grad_data, op=op, group=self.dp_group, async_op=True
-            )
+            )  # fmt: skip
+        if self.use_distributed_optimizer:
+            return reduce_scatter_flat(data[start:end], data, self.dp_group, op=op, async_op=True)
+        return dist.all_reduce(data, op=op, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Wait for this bucket's reduction (launching it first if it has not started).
@@ -226,6 +225,7 @@ class ParamAndGradBuffer:
         separate_bucket_params: set[nn.Parameter] = frozenset(),
         replica_group=None,
         comm_stream=None,
+        shard_grads: bool = False,
     ):
         self.params = list(params)  # registration order
         self.param_dtype = self.params[0].dtype
@@ -244,7 +244,12 @@ class ParamAndGradBuffer:
         self.numel = bucket_ranges[-1][1] if bucket_ranges else 0
         device = self.params[0].device
 
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        dp = dist.get_world_size(dp_group)
+        self.grad_data, self.grad_shard = None, None  # full buffer, or (optim_grads) the shards
+        if shard_grads:
+            self.grad_shard = torch.zeros(self.numel // dp, dtype=grad_dtype, device=device)
+        else:
+            self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
         if use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
@@ -253,7 +258,9 @@ class ParamAndGradBuffer:
                 view = self.param_data[start:end].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view(param.shape)
+            if self.grad_data is not None:  # (a param wrapped before may carry grad_staging)
+                param.main_grad = self.grad_data[start:end].view(param.shape)
+                param.__dict__.pop("grad_staging", None)
 
         members: list[list[nn.Parameter]] = [[] for _ in bucket_ranges]
         for param in reversed(self.params):
@@ -264,13 +271,19 @@ class ParamAndGradBuffer:
                 p: (self.param_index[p][0] - start, self.param_index[p][1] - start)
                 for p in bucket_params
             }
+            make = Bucket
+            if shard_grads:
+                from megadyn.core.distributed.sharded_grads import ShardedGradBucket
+
+                shard = self.grad_shard[start // dp : end // dp]
+                make = functools.partial(ShardedGradBucket, grad_shard=shard, numel=end - start)
             self.buckets.append(
-                Bucket(
+                make(
                     index,
                     bucket_params,
                     ranges,
                     start,
-                    self.grad_data[start:end],
+                    None if shard_grads else self.grad_data[start:end],
                     None if self.param_data is None else self.param_data[start:end],
                     dp_group,
                     use_distributed_optimizer=use_distributed_optimizer,
@@ -291,7 +304,7 @@ class ParamAndGradBuffer:
             bucket.finish_grad_sync()
 
     def zero_grad(self) -> None:
-        self.grad_data.zero_()
+        (self.grad_data if self.grad_shard is None else self.grad_shard).zero_()
         for bucket in self.buckets:
             bucket.reset()
 

@@ -42,10 +42,15 @@ class ParamShard:
     the model slice and it make the fp32 main value (remainders.py)."""
     adam: dict[str, torch.Tensor] = field(default_factory=dict)
     """exp_avg, exp_avg_sq ([end - start] fp32) and step (a scalar), once stepped or loaded."""
+    sharded_grad: torch.Tensor | None = None
+    """[end - start] gradient under --data-parallel-sharding-strategy optim_grads: the piece of
+    the bucket's `grad_shard` (there is no full `param.main_grad` then)."""
 
     def grad(self) -> torch.Tensor:
-        """The matching slice of `param.main_grad`, in fp32."""
-        grad = self.param.main_grad.view(-1)[self.start : self.end]
+        """The matching slice of `param.main_grad` (or `sharded_grad`), in fp32."""
+        grad = self.sharded_grad
+        if grad is None:
+            grad = self.param.main_grad.view(-1)[self.start : self.end]
         return grad if grad.dtype == torch.float32 else grad.float()
 
     def model_slice(self) -> torch.Tensor:
@@ -95,6 +100,8 @@ def make_shards(
             )
         else:
             shards.append(ParamShard(param, start, end, flat.float(), decay))
+        if hasattr(bucket, "shard_grad"):  # optim_grads: ShardedGradBucket
+            shards[-1].sharded_grad = bucket.shard_grad(param)
     return shards
 
 

@@ -7,6 +7,11 @@ layer marks `param.grad_added_to_main_grad` and hands autograd an unread placeho
 DDP hook still fires (and skips its add). A fused layer's bias gradient (the column sums of
 the output gradient) goes into the bias's `main_grad` the same way, summed in fp32 on CUDA.
 Used by layers.py.
+
+Layers and the DDP hook reach a parameter's `main_grad` through `main_grad_of(param)`: under
+--data-parallel-sharding-strategy optim_grads a parameter has no persistent `main_grad` but a
+`grad_staging` bucket, which materializes the micro batch's gradient on first use
+(megadyn/core/distributed/sharded_grads.py); otherwise it is `param.main_grad` itself.
 """
 
 from __future__ import annotations
@@ -32,12 +37,28 @@ def _fused_wgrad_works(device: torch.device) -> bool:
         return False
 
 
+def main_grad_of(param) -> torch.Tensor:
+    """The tensor `param`'s gradient is added into: `param.main_grad`, or under optim_grads the
+    view of its bucket's staging for this micro batch (allocated, zeroed, on first use)."""
+    staging = getattr(param, "grad_staging", None)
+    return param.main_grad if staging is None else staging.main_grad(param)
+
+
+def main_grad_dtype(param) -> torch.dtype | None:
+    """The dtype of `param`'s `main_grad` without materializing it (None: it has none)."""
+    staging = getattr(param, "grad_staging", None)
+    if staging is not None:
+        return staging.grad_shard.dtype
+    main_grad = getattr(param, "main_grad", None)
+    return None if main_grad is None else main_grad.dtype
+
+
 def fuse_wgrad(weight, fuse: bool) -> bool:
     """Whether `weight`'s gradient may go straight into its (wider) `main_grad`."""
-    main_grad = getattr(weight, "main_grad", None) if fuse else None
+    dtype = main_grad_dtype(weight) if fuse else None
     return (
-        main_grad is not None
-        and main_grad.dtype != weight.dtype
+        dtype is not None
+        and dtype != weight.dtype
         and weight.requires_grad
         and torch.is_grad_enabled()
     )
@@ -48,9 +69,9 @@ def weight_grad(weight, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool) -> tor
     added into `weight.main_grad` and an unread placeholder returned."""
     if not fuse:
         return g2d.t().mm(x2d)
-    main_grad = weight.main_grad  # [out, in] fp32
     if not _fused_wgrad_works(g2d.device):
         return add_to_main_grad(weight, g2d.t().mm(x2d))
+    main_grad = main_grad_of(weight)  # [out, in] fp32
     torch.addmm(main_grad, g2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
     return _added(weight)
 
@@ -64,7 +85,7 @@ def bias_grad(bias, g2d: torch.Tensor, fuse: bool) -> torch.Tensor:
         return g2d.sum(0)
     if not (g2d.is_cuda and _fused_wgrad_works(g2d.device)):
         return add_to_main_grad(bias, g2d.sum(0))
-    main_grad = bias.main_grad.view(1, -1)
+    main_grad = main_grad_of(bias).view(1, -1)
     ones = _ones(g2d.shape[0], g2d.dtype, g2d.device)
     torch.addmm(main_grad, ones, g2d, out_dtype=main_grad.dtype, out=main_grad)
     return _added(bias)
@@ -92,7 +113,7 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def add_to_main_grad(weight, grad_w: torch.Tensor) -> torch.Tensor:
     """Add a computed weight gradient (fp8 GEMMs write one in the weight's dtype) into `weight.main_grad`;
     the placeholder to hand autograd."""
-    accumulate(weight.main_grad, grad_w)
+    accumulate(main_grad_of(weight), grad_w)
     return _added(weight)
 
 
