@@ -185,6 +185,10 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    # fused SwiGLU: fc2 keeps no copy of its input, the backward computes it again (False:
+    # kept from the forward; tools/bench_gpt.py --keep-fc2-input sets it per module, a comparison)
+    recompute_fc2_input = True
+
     def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, dtype, device):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
@@ -217,7 +221,7 @@ class MLP(nn.Module):
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
         h = fn(y)
-        if not self.fusions.swiglu:
+        if not (self.fusions.swiglu and self.recompute_fc2_input):
             return self.linear_fc2(h)
         with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h, 16-bit or fp8
             return self.linear_fc2(h)

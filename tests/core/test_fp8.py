@@ -160,6 +160,8 @@ def given_scale_cast_body(rank, world):
         assert again[1] is inv
         for a, b in zip((q, qt), (again[0], again[2])):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        only = quantize_tensorwise(w, dtype, FP8_MAX[dtype], AMAX_FLOOR, None, True, inv, False)
+        assert only[0] is None and torch.equal(only[2].view(torch.uint8), qt.view(torch.uint8))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

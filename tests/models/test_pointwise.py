@@ -7,7 +7,6 @@ torch.compile with inductor's decompositions and partitioner, run eagerly
 ('aot_eager_decomp_partition'); inductor's Triton code is checked on a GPU
 (test_pointwise_gpu.py). Tensor and sequence parallelism: test_pointwise_parallel.py."""
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -177,8 +176,10 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     recomputed = model_step(cfg, COMPILED)
     tokens, ffn = 2 * 16, cfg.ffn_size  # micro batch 2, seq 16: fc2 saves [tokens, ffn]
     assert replaced == [(tokens, ffn)] * cfg.num_layers
-    monkeypatch.setattr(transformer, "recomputed_in_backward", lambda *a: contextlib.nullcontext())
-    assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
+    monkeypatch.setattr(transformer.MLP, "recompute_fc2_input", False)  # --keep-fc2-input
+    kept = model_step(cfg, COMPILED)
+    assert replaced == [(tokens, ffn)] * cfg.num_layers  # no record made while kept
+    assert_same_step(recomputed, kept, 0.0, "kept")
     monkeypatch.undo()
     replaced.clear()
     monkeypatch.setattr(scope._Recomputed, "__init__", counting)

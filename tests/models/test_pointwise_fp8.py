@@ -54,12 +54,13 @@ def fp8_llama(recipe: Fp8Recipe):
 
 @contextlib.contextmanager
 def recomputation_off():
-    original = transformer.recomputed_in_backward
-    transformer.recomputed_in_backward = lambda *a: contextlib.nullcontext()
+    """Every MLP built inside keeps fc2's input (the switch tools/bench_gpt.py --keep-fc2-input
+    sets per module)."""
+    transformer.MLP.recompute_fc2_input = False
     try:
         yield
     finally:
-        transformer.recomputed_in_backward = original
+        transformer.MLP.recompute_fc2_input = True
 
 
 @contextlib.contextmanager

@@ -182,6 +182,16 @@ def requantize(t: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor, tra
     return _cast(t, dtype, inv_scale.reciprocal(), transpose)  # exact: a power of two
 
 
+def requantize_t(t: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor) -> torch.Tensor:
+    """requantize(t, dtype, inv_scale, transpose=True)'s q^T alone (on CUDA q is not written)."""
+    if t.is_cuda:
+        from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
+
+        fp8_max = FP8_MAX[dtype]
+        return quantize_tensorwise(t, dtype, fp8_max, AMAX_FLOOR, None, True, inv_scale, False)[2]
+    return requantize(t, dtype, inv_scale, transpose=True)[2]
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, transpose: bool):
     fp8_max = FP8_MAX[dtype]
     q = (t.float() * scale).clamp_(-fp8_max, fp8_max).to(dtype)  # keeps t's strides
@@ -224,7 +234,7 @@ def emulated_mm(a, a_inv, b, b_inv, out_dtype: torch.dtype, bias=None) -> torch.
 
 def _x_t(dtype: torch.dtype, inv_scale: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     """x^T [in, tokens] in fp8 at the forward's scale, from x [tokens, in] computed again."""
-    return requantize(x2d, dtype, inv_scale, transpose=True)[2]
+    return requantize_t(x2d, dtype, inv_scale)
 
 
 def _col_major(q: torch.Tensor) -> torch.Tensor:

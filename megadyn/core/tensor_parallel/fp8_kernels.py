@@ -52,11 +52,13 @@ def _cast_kernel(
     amax_floor,
     TRANSPOSE: tl.constexpr,
     GIVEN_SCALE: tl.constexpr,
+    WRITE_Q: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
 ):
-    """One [BM, BN] tile of t [rows, cols] to q (and, with TRANSPOSE, q^T [cols, rows]);
-    with GIVEN_SCALE at the scale whose inverse `inv_ptr` holds (amax_ptr unread)."""
+    """One [BM, BN] tile of t [rows, cols] to q (and, with TRANSPOSE, q^T [cols, rows];
+    without WRITE_Q q^T alone); with GIVEN_SCALE at the scale whose inverse `inv_ptr` holds
+    (amax_ptr unread)."""
     if GIVEN_SCALE:
         scale = tl.math.div_rn(1.0, tl.load(inv_ptr))  # exact: a power of two
     else:
@@ -69,7 +71,8 @@ def _cast_kernel(
     inside = (r < rows) & (c < cols)
     t = tl.load(t_ptr + r * cols + c, mask=inside, other=0.0).to(tl.float32)
     q = tl.clamp(t * scale, -fp8_max, fp8_max).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + r * cols + c, q, mask=inside)
+    if WRITE_Q:
+        tl.store(q_ptr + r * cols + c, q, mask=inside)
     if TRANSPOSE:  # [BN, BM] tile of q^T
         tl.store(qt_ptr + tl.trans(c) * rows + tl.trans(r), tl.trans(q), mask=tl.trans(inside))
     if not GIVEN_SCALE:
@@ -85,10 +88,14 @@ def quantize_tensorwise(
     group=None,
     transpose: bool = False,
     inv_scale: torch.Tensor | None = None,
+    write_q: bool = True,
 ):
     """(q, inv_scale, q^T or None) of fp8.quantize(t, dtype, None, group) for a CUDA tensor
     t [rows, cols]; q^T [cols, rows] is written by the same pass. With `inv_scale` (fp8.
-    requantize) the cast pass alone, at that scale: no amax, no all-reduce."""
+    requantize) the cast pass alone, at that scale: no amax, no all-reduce. `write_q` False
+    (with `transpose` and `inv_scale`): q^T alone is written, q is None."""
+    if not write_q and not (transpose and inv_scale is not None):
+        raise ValueError("write_q=False needs transpose=True and a given inv_scale")
     t = t.contiguous()
     given = inv_scale is not None
     if given:
@@ -101,11 +108,12 @@ def quantize_tensorwise(
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         inv = torch.empty((), dtype=torch.float32, device=t.device)
     rows, cols = t.shape
-    q = torch.empty(t.shape, dtype=dtype, device=t.device)
-    qt = torch.empty((cols, rows), dtype=dtype, device=t.device) if transpose else q
+    qt = torch.empty((cols, rows), dtype=dtype, device=t.device) if transpose else None
+    q = torch.empty(t.shape, dtype=dtype, device=t.device) if write_q else qt
+    qt = q if qt is None else qt
     grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
     _cast_kernel[grid](
         t, amax, q, qt, inv, rows, cols, fp8_max, amax_floor,
-        TRANSPOSE=transpose, GIVEN_SCALE=given, BM=TILE, BN=TILE,
+        TRANSPOSE=transpose, GIVEN_SCALE=given, WRITE_Q=write_q, BM=TILE, BN=TILE,
     )  # fmt: skip
-    return q, inv, qt if transpose else None
+    return q if write_q else None, inv, qt if transpose else None
