@@ -33,7 +33,6 @@ from megadyn.core.pipeline import check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.core.tensor_parallel.fp8_cache import weight_caches
 from megadyn.data.sampler import DataCursor
-from megadyn.models.transformer import MLP
 from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
 from megadyn.training.trainer import Trainer
 
@@ -142,12 +141,6 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         "--no-fp8-weight-cache",
         action="store_true",
         help="quantize each fp8 weight at every micro batch, not once per step (a comparison)",
-    )
-    p.add_argument(
-        "--keep-fc2-input",
-        action="store_true",
-        help="under --pointwise-fusion with SwiGLU: fc2 keeps its input (fp8: x^T) from the "
-        "forward instead of computing it again in the backward (a comparison)",
     )
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
@@ -272,8 +265,6 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
     trainer = Trainer(job_config(a), groups, device, print_fn=lambda *_, **__: None)
     for cache in weight_caches(trainer.ddp) if a.no_fp8_weight_cache else []:
         cache.enabled = False
-    for mlp in [m for c in trainer.ddp for m in c.modules() if isinstance(m, MLP)]:
-        mlp.recompute_fc2_input = not a.keep_fc2_input
     data = random_batches(a, groups.dp_rank, device)
     trainer.parts.train_loader = RandomTokens(data, a.mbs * layout.dp)
     step = trainer.train_step

@@ -75,6 +75,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     for flag in PART_FLAGS:
         g.add_argument(flag, action="store_true", help="under --pointwise-fusion: that part eager")
     g.add_argument(
+        "--keep-fc2-input",
+        action="store_true",
+        help="under --pointwise-fusion with SwiGLU: fc2 keeps its input from the forward "
+        "instead of computing it again in the backward (more memory, one pass less)",
+    )
+    g.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",
         help="always on here (the reference script's job); accepted as pretrain_gpt.py takes it",
@@ -128,6 +134,7 @@ def pretrain_argv(a: argparse.Namespace) -> list[str]:
         ("--cross-entropy-loss-fusion", a.fused_loss == "on"),
         ("--no-cross-entropy-loss-fusion", a.fused_loss == "off"),
         ("--pointwise-fusion", a.pointwise_fusion),
+        ("--keep-fc2-input", a.keep_fc2_input),
         *((flag, getattr(a, _dest(flag))) for flag in PART_FLAGS),
     ):
         argv += [flag] if on else []

@@ -89,6 +89,11 @@ class GPTConfig:
     bias_swiglu_fusion: bool = True
     """Under --pointwise-fusion: silu(gate) * up compiled, keeping only fc1's output for the
     backward (--no-bias-swiglu-fusion: eager)."""
+    keep_fc2_input: bool = False
+    """Under --pointwise-fusion with SwiGLU: fc2 keeps its input (SwiGLU's output; FP8
+    tensorwise: its x^T in fp8) from the forward (--keep-fc2-input). By default it keeps
+    nothing and the backward computes it again from fc1's output, which SwiGLU's backward keeps
+    anyway: less memory (a [tokens, ffn/tp] tensor a layer), one more pointwise pass."""
     apply_rope_fusion: bool = True
     """Under --pointwise-fusion: the rotary embeddings of queries and keys compiled
     (--no-rope-fusion: eager)."""

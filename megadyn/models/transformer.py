@@ -185,14 +185,11 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    # fused SwiGLU: fc2 keeps no copy of its input, the backward computes it again (False:
-    # kept from the forward; tools/bench_gpt.py --keep-fc2-input sets it per module, a comparison)
-    recompute_fc2_input = True
-
     def __init__(self, cfg: GPTConfig, tp_group, sequence_parallel: bool, dtype, device):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         self.fusions = Fusions.from_config(cfg)
+        self.recompute_fc2_input = not cfg.keep_fc2_input
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         tp = group_size(tp_group)
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)

@@ -162,7 +162,6 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     gradients are bit for bit those of keeping it. Inside full recomputation the checkpoint
     decides and nothing is replaced."""
     import megadyn.core.recomputed as scope
-    import megadyn.models.transformer as transformer
 
     replaced = []
     original = scope._Recomputed.__init__
@@ -176,8 +175,7 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     recomputed = model_step(cfg, COMPILED)
     tokens, ffn = 2 * 16, cfg.ffn_size  # micro batch 2, seq 16: fc2 saves [tokens, ffn]
     assert replaced == [(tokens, ffn)] * cfg.num_layers
-    monkeypatch.setattr(transformer.MLP, "recompute_fc2_input", False)  # --keep-fc2-input
-    kept = model_step(cfg, COMPILED)
+    kept = model_step(cfg.with_(keep_fc2_input=True), COMPILED)  # --keep-fc2-input
     assert replaced == [(tokens, ffn)] * cfg.num_layers  # no record made while kept
     assert_same_step(recomputed, kept, 0.0, "kept")
     monkeypatch.undo()

@@ -21,7 +21,6 @@ import torch._dynamo
 from torch.autograd.graph import saved_tensors_hooks
 
 import megadyn.core.recomputed as scope
-import megadyn.models.transformer as transformer
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
@@ -53,17 +52,6 @@ def fp8_llama(recipe: Fp8Recipe):
 
 
 @contextlib.contextmanager
-def recomputation_off():
-    """Every MLP built inside keeps fc2's input (the switch tools/bench_gpt.py --keep-fc2-input
-    sets per module)."""
-    transformer.MLP.recompute_fc2_input = False
-    try:
-        yield
-    finally:
-        transformer.MLP.recompute_fc2_input = True
-
-
-@contextlib.contextmanager
 def records(derived: list):
     """Appends, for each saved tensor the scopes replace, whether the backward derives
     another tensor from it (tensorwise fc2: x^T in fp8)."""
@@ -87,8 +75,7 @@ def test_fp8_step_with_fc2_input_recomputed_equals_keeping_it(recipe):
         loss, grads = model_step(cfg, COMPILED)
     # one record per layer: fc2's input; tensorwise turns it into x^T in fp8 in the backward
     assert derived == [recipe.recipe == "tensorwise"] * cfg.num_layers
-    with recomputation_off():
-        kept_loss, kept_grads = model_step(cfg, COMPILED)
+    kept_loss, kept_grads = model_step(cfg.with_(keep_fc2_input=True), COMPILED)
     assert torch.equal(loss, kept_loss)
     assert list(grads) == list(kept_grads)
     for name, grad in grads.items():
@@ -129,8 +116,7 @@ def kept_by_forward(cfg) -> int:
 def test_fp8_fc2_keeps_no_copy_of_its_input(recipe):
     cfg = fp8_llama(recipe)
     recomputing = kept_by_forward(cfg)
-    with recomputation_off():
-        keeping = kept_by_forward(cfg)
+    keeping = kept_by_forward(cfg.with_(keep_fc2_input=True))
     # tensorwise kept x^T in fp8 (1 byte), rowwise its bf16 input (2 bytes)
     per_element = 1 if recipe.recipe == "tensorwise" else 2
     assert keeping - recomputing == cfg.num_layers * TOKENS * cfg.ffn_size * per_element
@@ -175,11 +161,12 @@ def tp_body(rank, world):
         job = fp8_job(recipe, 1, seed=7)
         job = dataclasses.replace(job, model=job.model.with_(pointwise_fusion=True))
         runs, derived = [], []
-        for off in (False, True):
-            parts = build_model_parts(job, job.model, groups, cpu)
+        for keep in (False, True):
+            model = job.model.with_(keep_fc2_input=keep)
+            parts = build_model_parts(job, model, groups, cpu)
             for chunk in parts.chunks:
                 with_backend(chunk, COMPILED)
-            with recomputation_off() if off else records(derived):
+            with records(derived) if not keep else contextlib.nullcontext():
                 runs.append(train(parts, groups, range(2)))
         what = f"{recipe.format} {recipe.recipe} tp2 sp"
         # fc2's input of each layer and micro batch, replaced by a record (tensorwise: x^T)

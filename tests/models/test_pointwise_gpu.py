@@ -118,7 +118,6 @@ def fp8_step(cfg, tokens, labels):
 
 def test_an_fp8_step_recomputing_fc2s_input_equals_keeping_it():
     from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
-    from tests.models.test_pointwise_fp8 import recomputation_off
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9 or newer")
@@ -132,8 +131,7 @@ def test_an_fp8_step_recomputing_fc2s_input_equals_keeping_it():
         )  # fmt: skip
         fp8_step(cfg, tokens, labels)  # compiles, workspaces: allocations neither run counts
         kept, loss, grads = fp8_step(cfg, tokens, labels)
-        with recomputation_off():
-            kept_off, loss_off, grads_off = fp8_step(cfg, tokens, labels)
+        kept_off, loss_off, grads_off = fp8_step(cfg.with_(keep_fc2_input=True), tokens, labels)
         assert torch.equal(loss, loss_off), recipe
         for name, grad in grads.items():
             assert torch.equal(grad, grads_off[name]), (recipe, name)
