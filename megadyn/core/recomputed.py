@@ -21,14 +21,35 @@ writes q and q^T). Should a saved-tensor hook opened inside the scope keep x its
 layer's backward casts that x at the saved scale: the same bits. A rowwise layer already saves its 16-bit input (its
 backward quantizes x^T along tokens, which its forward never did): the record replaces it.
 
-Worth it where the backward keeps `inputs` anyway and `fn` is cheap: fc2 of a SwiGLU MLP
-under --pointwise-fusion (transformer.py) keeps nothing of its input, SwiGLU's output, which
-its backward computes again from fc1's output (SwiGLU's backward keeps it). Off (a plain
-scope) without gradients and inside full recomputation, whose checkpoint decides what is
-kept. Nothing here synchronizes with the host or allocates differently from step to step
-(the backward's fn and cast take the shapes of the forward and the scale on the device), so
-it runs under CUDA graphs; tensor and sequence parallelism change shapes only (a row-parallel
-fc2's input is its rank's shard; its scale was agreed over tp in the forward).
+Worth it where the backward keeps `inputs` anyway and `fn` is cheap. Under --pointwise-fusion
+(transformer.py) the four linear layers of a block keep no copy of their inputs:
+
+    linear_qkv   the input norm's output, from the block's input, which the compiled norm's
+                 backward keeps (one norm pass)
+    linear_proj  the attention's output [b, n, s, d] as [s, b, h/tp], from that output, which
+                 the backward of flash, efficient and cuDNN attention keeps (a copy, or a view
+                 where the kernel writes [s, b, n, d]: then only a tensorwise FP8 layer's x^T
+                 is saved); not for other kernels (math, flex_attention, context parallelism)
+                 nor under selective recomputation, whose checkpoint drops the output
+    linear_fc1   the pre-MLP norm's output, from the residual sum that the norm's backward
+                 keeps (the norm then runs as a region of its own, not joined to the
+                 residual add: the replay reads the rounded sum as the forward did)
+    fc2          SwiGLU's output, from fc1's output, which SwiGLU's backward keeps (not
+                 under --keep-fc2-input)
+
+A compiled region is computed again through its forward graph (`replayed`: with gradients,
+output detached), the kernels that computed it in the forward, as without gradients inductor
+would compile an inference graph of its own, whose reductions it may block and round
+otherwise (test_pointwise_gpu.py checks the bits). Sequence parallelism gathers the inputs of linear_qkv and linear_fc1 inside the
+layer, which then saves the gathered tensor: those two keep it there (computing it again would
+take an all-gather in the backward).
+
+Off (a plain scope) without gradients and inside full recomputation, whose checkpoint decides
+what is kept. Nothing here synchronizes with the host or allocates differently from step to
+step (the backward's fn and cast take the shapes of the forward and the scale on the device;
+a replay hits the graph compiled in the forward), so it runs under CUDA graphs; tensor and
+sequence parallelism change shapes only (a row-parallel layer's input is its rank's shard; its
+scale was agreed over tp in the forward).
 """
 
 from __future__ import annotations
@@ -105,6 +126,28 @@ def derived_in_backward(t: torch.Tensor, derive: Callable[[torch.Tensor], torch.
     gets derive(t computed again) in its place (computed without gradients): a tensor of
     the layer's choosing (another dtype or shape) that it would have made from `t` itself."""
     _innermost().derived[_geometry(t)] = derive
+
+
+def replayed(fn: Callable, output: int | None = None) -> Callable:
+    """`fn` (a scope's fn) run in the backward as the forward ran it: with gradients, on its
+    tensor arguments detached and requiring gradients as they do (parameters as they are),
+    its output (or output[`output`]) detached. A compiled `fn` thus runs the forward graph it
+    ran in the forward, the same kernels on the same inputs, the same bits; without gradients
+    it would run an inference graph of its own, which inductor may fuse and round otherwise
+    (a reduction of another shape of blocks)."""
+
+    def again(*args):
+        with torch.enable_grad():
+            out = fn(*(_like(a) for a in args))
+        return (out if output is None else out[output]).detach()
+
+    return again
+
+
+def _like(a):
+    if not isinstance(a, torch.Tensor) or isinstance(a, torch.nn.Parameter):
+        return a
+    return a.detach().requires_grad_(a.requires_grad)
 
 
 @contextlib.contextmanager

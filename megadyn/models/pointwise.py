@@ -10,19 +10,22 @@ backward comes from AOT autograd). Elsewhere (the CPU, or the flag off) it runs 
 The regions:
 
     norm         RMSNorm or LayerNorm (input norm and final norm)
-    add_norm     residual + dropout(y), and the pre-MLP norm of that sum, in one pass
+    add_norm     residual + dropout(y), and the pre-MLP norm of that sum, in one pass (where
+                 linear_fc1 keeps its input: under sequence parallelism; else the sum and
+                 the norm run apart, so the backward can replay the norm alone)
     dropout_add  residual + dropout(y) (the MLP's residual, hidden dropout > 0)
     swiglu       silu(gate) * up from fc1's output [s, b, 2 * ffn/tp], gate and up halves
     rope_qk      rotary embeddings applied to queries and keys together
 
 Compiled, they also keep less for the backward (what inductor's partitioner saves): SwiGLU
-keeps only fc1's output and recomputes silu (eager also keeps silu(gate): 3/2 of it), and fc2
-does not keep its input, SwiGLU's output, either: the backward computes it again from fc1's
-output, which SwiGLU's backward keeps anyway (`recomputed_in_backward`, megadyn/core/
-recomputed.py; under FP8 neither its 16-bit input nor the fp8 x^T of a tensorwise fc2 is
-kept: the backward casts x^T again at the forward's scale, a scalar, the same bits); a norm
+keeps only fc1's output and recomputes silu (eager also keeps silu(gate): 3/2 of it); a norm
 keeps its 16-bit input and one fp32 statistic per token (eager on the CPU keeps fp32 copies
-of the input). The numbers differ from eager by 16-bit rounding only: inductor computes a
+of the input), add_norm the sum. The linear layers that read the regions' outputs keep no copy
+of them either (fc2: SwiGLU's output; linear_qkv and linear_fc1: the norms' outputs): the
+backward computes them again from what the regions keep, replaying the regions' forward
+graphs (`recomputed_in_backward`, megadyn/core/recomputed.py; under FP8 neither the 16-bit
+input nor the fp8 x^T of a tensorwise layer is kept: the backward casts x^T again at the
+forward's scale, a scalar, the same bits). The numbers differ from eager by 16-bit rounding only: inductor computes a
 region in fp32 and rounds once at its outputs. With hidden dropout the compiled masks come
 from inductor's own random numbers (same statistics, other bits), drawn from the generator
 that is current (the tensor-parallel tracker's under sequence parallelism), so recomputation,

@@ -26,7 +26,7 @@ from megadyn.core.context_parallel import (
     scatter_heads,
 )
 from megadyn.core.recompute import RecomputeConfig, recompute
-from megadyn.core.recomputed import recomputed_in_backward
+from megadyn.core.recomputed import recomputed_in_backward, replayed
 from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
     RNGTracker,
@@ -67,6 +67,48 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fusions(self.fusions.norm, norm, x)(x, self.weight, self.bias, self.eps)
+
+    def again(self, x: torch.Tensor) -> tuple:
+        """(fn, inputs) that compute forward(x) again in the backward, bit for bit: the
+        compiled region's forward graph replayed (`replayed`) from x, which its backward keeps."""
+        fn = self.fusions(self.fusions.norm, norm, x)
+        return replayed(fn), x, self.weight, self.bias, self.eps
+
+
+def input_recomputed(x: torch.Tensor, again: tuple | None):
+    """The scope in which a linear layer keeps nothing of its input x when `again` (fn,
+    *inputs) computes it again (`recomputed_in_backward`); a plain scope for None."""
+    if again is None:
+        return contextlib.nullcontext()
+    return recomputed_in_backward(x, *again)
+
+
+_KEEPS_OUTPUT = (  # scaled_dot_product_attention's kernels whose backward keeps `output`
+    "ScaledDotProductFlashAttentionBackward",
+    "ScaledDotProductEfficientAttentionBackward",
+    "ScaledDotProductCudnnAttentionBackward",
+    "ScaledDotProductFlashAttentionForCpuBackward",
+)
+
+
+def attention_keeps(out: torch.Tensor) -> bool:
+    """Whether the backward of the kernel that made `out` keeps `out` itself (flash, efficient
+    and cuDNN attention keep their output and its logsumexp; the math kernel, flex_attention,
+    the context-parallel attentions and a padded or sliced output are not known to)."""
+    node = out.grad_fn
+    return (
+        node is not None
+        and out.output_nr == 0
+        and node.name().rstrip("0123456789") in _KEEPS_OUTPUT
+        and "_saved_output" in dir(node)
+    )
+
+
+def heads_to_hidden(out: torch.Tensor) -> torch.Tensor:
+    """The attention's output [b, n, s, d] as linear_proj's input [s, b, n * d] (a copy
+    unless the layout makes it a view)."""
+    b, n, s, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype, positions=None):
@@ -164,9 +206,12 @@ class SelfAttention(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, rope=None, recompute_core: bool = False, documents=None
+        self, x: torch.Tensor, rope=None, recompute_core: bool = False, documents=None, again=None
     ) -> torch.Tensor:
-        qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]
+        """`again`: (fn, *inputs) that compute x again in the backward (the input norm's
+        output), so linear_qkv keeps no copy of it."""
+        with input_recomputed(x, again):
+            qkv = self.linear_qkv(x)  # [s, b, g * (q + 2) * d]
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, d)
@@ -180,8 +225,12 @@ class SelfAttention(nn.Module):
             out = recompute(self.core_attention, q, k, v, documents, tracker=self.tracker)
         else:
             out = self.core_attention(q, k, v, documents)  # [b, n, s, d]
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)  # [s, b, h/tp]
-        return self.linear_proj(out)
+        h = heads_to_hidden(out)  # [s, b, h/tp]
+        # under the fusion linear_proj keeps no copy of h where the attention's backward
+        # keeps `out` (not under selective recomputation, whose checkpoint drops it)
+        keep = self.cfg.pointwise_fusion and not recompute_core and attention_keeps(out)
+        with input_recomputed(h, (heads_to_hidden, out) if keep else None):
+            return self.linear_proj(h)
 
 
 class MLP(nn.Module):
@@ -212,8 +261,11 @@ class MLP(nn.Module):
         )
         self.linear_fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
+    def forward(self, x: torch.Tensor, again=None) -> torch.Tensor:
+        """`again`: (fn, *inputs) that compute x again in the backward (the pre-MLP norm's
+        output), so linear_fc1 keeps no copy of it."""
+        with input_recomputed(x, again):
+            y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 for SwiGLU)
         if not self.swiglu:
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
@@ -241,6 +293,9 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.recompute_core = recompute_cfg.selective
         self.fusions = Fusions.from_config(cfg)
+        # the norms' outputs, linear_qkv's and linear_fc1's inputs, computed again in the
+        # backward; under sequence parallelism the layers keep the gathered inputs instead
+        self.recompute_normed = self.fusions.norm and not sequence_parallel
         self.input_layernorm = Norm(cfg, sequence_parallel, dtype, device)
         self.self_attention = SelfAttention(
             cfg, tp_group, sequence_parallel, tracker, dtype, device, cp_group
@@ -254,18 +309,25 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope=None, documents=None) -> torch.Tensor:
-        y = self.self_attention(self.input_layernorm(x), rope, self.recompute_core, documents)
-        x, h = self.add_norm(x, y)
-        return self.residual_add(x, self.mlp(h))
+        again = self.input_layernorm.again(x) if self.recompute_normed else None
+        h = self.input_layernorm(x)
+        y = self.self_attention(h, rope, self.recompute_core, documents, again)
+        x, h, again = self.add_norm(x, y)
+        return self.residual_add(x, self.mlp(h, again))
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x + dropout(y) and its pre-MLP norm: one compiled region when both fuse."""
-        if not (self.fusions.residual and self.fusions.norm):
-            x = self.residual_add(x, y)
-            return x, self.pre_mlp_layernorm(x)
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        """x + dropout(y) and its pre-MLP norm, with (fn, *inputs) that compute the norm again
+        in the backward from the sum, which the norm's backward keeps (None where linear_fc1
+        keeps its input). The norm recomputed runs as a region of its own, replayed from the
+        rounded sum as the forward read it; otherwise sum and norm are one compiled region
+        when both fuse."""
         n, p = self.pre_mlp_layernorm, self.dropout_p
+        if self.recompute_normed or not (self.fusions.residual and self.fusions.norm):
+            x = self.residual_add(x, y)
+            return x, n(x), n.again(x) if self.recompute_normed else None
         with self.dropout_rng(p):
-            return self.fusions(True, add_norm, x)(x, y, n.weight, n.bias, n.eps, p)
+            total, h = self.fusions(True, add_norm, x)(x, y, n.weight, n.bias, n.eps, p)
+        return total, h, None
 
     def residual_add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x + dropout(y), compiled under the residual fusion when there is a dropout."""

@@ -7,6 +7,7 @@ torch.compile with inductor's decompositions and partitioner, run eagerly
 ('aot_eager_decomp_partition'); inductor's Triton code is checked on a GPU
 (test_pointwise_gpu.py). Tensor and sequence parallelism: test_pointwise_parallel.py."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -156,12 +157,18 @@ def test_compiled_regions_keep_less_for_the_backward():
     assert saved_bytes(compiled(add_norm), x, x, w, None, 1e-5, 0.0) == kept
 
 
-def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
-    """Under the SwiGLU fusion fc2 keeps no copy of its input (SwiGLU's output, 1/2 of fc1's):
-    the backward computes it again from fc1's output, which SwiGLU's backward keeps, and the
-    gradients are bit for bit those of keeping it. Inside full recomputation the checkpoint
-    decides and nothing is replaced."""
+def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(monkeypatch):
+    """Under the fusion the linear layers keep no copy of their inputs: linear_qkv's and
+    linear_fc1's (the norms' outputs) are computed again from the norms' inputs (which their
+    backwards keep), linear_proj's from the attention's output (which its backward keeps),
+    fc2's (SwiGLU's output, 1/2 of fc1's) from fc1's output (which SwiGLU's backward keeps);
+    the gradients are bit for bit those of keeping them. Inside full recomputation the
+    checkpoint decides and nothing is replaced; linear_proj keeps its input under selective
+    recomputation, which drops the attention's output, and with the math kernel, which does
+    not keep it. With hidden dropout the norm takes the sum as its input as without it.
+    --keep-fc2-input keeps fc2's input alone."""
     import megadyn.core.recomputed as scope
+    import megadyn.models.transformer as transformer
 
     replaced = []
     original = scope._Recomputed.__init__
@@ -173,16 +180,46 @@ def test_fc2_computes_its_input_again_instead_of_keeping_it(monkeypatch):
     monkeypatch.setattr(scope._Recomputed, "__init__", counting)
     cfg = LLAMA.with_(params_dtype=torch.bfloat16, pointwise_fusion=True)
     recomputed = model_step(cfg, COMPILED)
-    tokens, ffn = 2 * 16, cfg.ffn_size  # micro batch 2, seq 16: fc2 saves [tokens, ffn]
-    assert replaced == [(tokens, ffn)] * cfg.num_layers
-    kept = model_step(cfg.with_(keep_fc2_input=True), COMPILED)  # --keep-fc2-input
-    assert replaced == [(tokens, ffn)] * cfg.num_layers  # no record made while kept
-    assert_same_step(recomputed, kept, 0.0, "kept")
+    t, h, ffn = 2 * 16, cfg.hidden_size, cfg.ffn_size  # micro batch 2, seq 16: [tokens, in]
+    qkv, proj, fc1, fc2 = (t, h), (t, h), (t, h), (t, ffn)
+    assert replaced == [qkv, proj, fc1, fc2] * cfg.num_layers
+    replaced.clear()
+    selective = model_step(cfg, COMPILED, RecomputeConfig("selective"))
+    assert replaced == [qkv, fc1, fc2] * cfg.num_layers
+    replaced.clear()
+    model_step(cfg.with_(attention_backend="unfused"), COMPILED)  # math: keeps no output
+    assert replaced == [qkv, fc1, fc2] * cfg.num_layers
+    replaced.clear()
+    dropout = [
+        cfg.with_(hidden_dropout=0.1),
+        cfg.with_(bias_dropout_fusion=False, hidden_dropout=0.1),
+    ]
+    with_dropout = [model_step(c, COMPILED) for c in dropout]
+    assert replaced == [qkv, proj, fc1, fc2] * cfg.num_layers * 2
+    replaced.clear()
+    keep_fc2 = model_step(cfg.with_(keep_fc2_input=True), COMPILED)
+    assert replaced == [qkv, proj, fc1] * cfg.num_layers
+    assert_same_step(recomputed, keep_fc2, 0.0, "fc2 kept")
+    monkeypatch.setattr(transformer, "recomputed_in_backward", lambda *a: contextlib.nullcontext())
+    assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
+    assert_same_step(selective, model_step(cfg, COMPILED, RecomputeConfig("selective")), 0.0)
+    for c, step in zip(dropout, with_dropout):
+        assert_same_step(step, model_step(c, COMPILED), 0.0, "dropout")
     monkeypatch.undo()
     replaced.clear()
     monkeypatch.setattr(scope._Recomputed, "__init__", counting)
     model_step(cfg, COMPILED, RecomputeConfig("full", "uniform", 1))
     assert replaced == []
+
+
+def test_the_attention_kernels_named_keep_their_output():
+    """linear_proj's input is computed again from the attention's output only where the
+    kernel's backward node keeps it (a saved `output`): flash, efficient, cuDNN, flash on the
+    CPU."""
+    from megadyn.models.transformer import _KEEPS_OUTPUT
+
+    for name in _KEEPS_OUTPUT:
+        assert "_saved_output" in dir(getattr(torch._C._functions, name + "0")), name
 
 
 def test_a_recomputed_tensor_is_freed_after_the_forward():
@@ -324,8 +361,9 @@ def test_nothing_compiles_after_the_warm_up_step_of_a_graphed_step():
             graph.prepare(model, batch, lm_loss, None)
             loss = graph.replay(batch, 1.0)
         losses.append(loss.detach())
-    # norm, add_norm, swiglu and rope_qk: a forward and a backward graph each; swiglu once
-    # more without gradients (fc2's input, computed again in the backward)
-    assert warm_up == 9 and sorted(set(calls)) == ["backward", "forward"]
+    # norm, swiglu and rope_qk: a forward and a backward graph each (the pre-MLP norm runs
+    # apart from the residual add, replayed in the backward); swiglu once more without
+    # gradients (fc2's input, computed again in the backward)
+    assert warm_up == 7 and sorted(set(calls)) == ["backward", "forward"]
     assert len(calls) == warm_up and graph.captures == 1
     assert all(torch.isfinite(loss) for loss in losses)

@@ -1,15 +1,19 @@
-"""FP8 fc2 under --pointwise-fusion keeps nothing of its input (megadyn/core/recomputed.py,
-fp8.py): the backward computes SwiGLU's output again from fc1's output and, tensorwise, casts
-x^T to fp8 at the scale the forward saved. On the CPU (compiled as test_pointwise.py does):
+"""FP8 linear layers under --pointwise-fusion keep nothing of their inputs (megadyn/core/
+recomputed.py, fp8.py): the backward computes them again (fc2's, SwiGLU's output, from fc1's
+output; linear_qkv's and linear_fc1's, the norms' outputs, from the norms' inputs;
+linear_proj's from the attention's output) and, tensorwise, casts x^T to fp8 at the scale the
+forward saved. On the CPU (compiled as test_pointwise.py does):
 
-- a Llama step's loss and every gradient (fc2's weight, its input's, the fc1 chain's) equal,
-  bit for bit, the step with the recomputation off, for each recipe;
-- what the forward keeps for the backward is smaller by fc2's fp8 x^T (tensorwise: one byte
-  per token x ffn element a layer) or its 16-bit input (rowwise: two);
+- a Llama step's loss and every gradient equal, bit for bit, the step with the
+  recomputation off, for each recipe;
+- what the forward keeps for the backward is smaller by the four layers' fp8 x^T (tensorwise:
+  one byte per token and input element of each) or their 16-bit inputs (rowwise and bf16:
+  two; linear_proj's is a view of the attention's output, which is kept anyway);
 - one layer: the backward gets x^T from the scope, or, where an inner saved-tensor hook keeps
   the input itself, casts it at the saved scale; the same gradients either way;
-- tp 2 with sequence parallelism (spawned, gloo): training steps with and without the
-  recomputation give the same losses and main_grads.
+- tp 2 with and without sequence parallelism (spawned, gloo): training steps with and without
+  the recomputation give the same losses and main_grads (under sequence parallelism
+  linear_qkv and linear_fc1 keep their gathered inputs: only linear_proj and fc2 recompute).
 """
 
 import contextlib
@@ -21,6 +25,7 @@ import torch._dynamo
 from torch.autograd.graph import saved_tensors_hooks
 
 import megadyn.core.recomputed as scope
+import megadyn.models.transformer as transformer
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
@@ -52,6 +57,16 @@ def fp8_llama(recipe: Fp8Recipe):
 
 
 @contextlib.contextmanager
+def recomputation_off():
+    original = transformer.recomputed_in_backward
+    transformer.recomputed_in_backward = lambda *a: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        transformer.recomputed_in_backward = original
+
+
+@contextlib.contextmanager
 def records(derived: list):
     """Appends, for each saved tensor the scopes replace, whether the backward derives
     another tensor from it (tensorwise fc2: x^T in fp8)."""
@@ -69,13 +84,15 @@ def records(derived: list):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")
-def test_fp8_step_with_fc2_input_recomputed_equals_keeping_it(recipe):
+def test_fp8_step_with_linear_inputs_recomputed_equals_keeping_them(recipe):
     cfg = fp8_llama(recipe)
     with records([]) as derived:
         loss, grads = model_step(cfg, COMPILED)
-    # one record per layer: fc2's input; tensorwise turns it into x^T in fp8 in the backward
-    assert derived == [recipe.recipe == "tensorwise"] * cfg.num_layers
-    kept_loss, kept_grads = model_step(cfg.with_(keep_fc2_input=True), COMPILED)
+    # four records per layer (qkv, proj, fc1, fc2's inputs); tensorwise turns each into x^T
+    # in fp8 in the backward
+    assert derived == [recipe.recipe == "tensorwise"] * 4 * cfg.num_layers
+    with recomputation_off():
+        kept_loss, kept_grads = model_step(cfg, COMPILED)
     assert torch.equal(loss, kept_loss)
     assert list(grads) == list(kept_grads)
     for name, grad in grads.items():
@@ -112,14 +129,18 @@ def kept_by_forward(cfg) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")
-def test_fp8_fc2_keeps_no_copy_of_its_input(recipe):
-    cfg = fp8_llama(recipe)
+@pytest.mark.parametrize("recipe", [*RECIPES, None], ids=lambda r: r and f"{r.format}-{r.recipe}")
+def test_the_linear_layers_keep_no_copy_of_their_inputs(recipe):
+    cfg = fp8_llama(recipe) if recipe else LLAMA.with_(params_dtype=torch.bfloat16)
+    cfg = cfg.with_(pointwise_fusion=True)
     recomputing = kept_by_forward(cfg)
-    keeping = kept_by_forward(cfg.with_(keep_fc2_input=True))
-    # tensorwise kept x^T in fp8 (1 byte), rowwise its bf16 input (2 bytes)
-    per_element = 1 if recipe.recipe == "tensorwise" else 2
-    assert keeping - recomputing == cfg.num_layers * TOKENS * cfg.ffn_size * per_element
+    with recomputation_off():
+        keeping = kept_by_forward(cfg)
+    h, ffn = cfg.hidden_size, cfg.ffn_size
+    if recipe is not None and recipe.recipe == "tensorwise":  # x^T in fp8, 1 byte
+        assert keeping - recomputing == cfg.num_layers * TOKENS * (3 * h + ffn)
+    else:  # the bf16 inputs, 2 bytes; linear_proj's is a view of the attention's output
+        assert keeping - recomputing == cfg.num_layers * TOKENS * (2 * h + ffn) * 2
 
 
 @pytest.mark.parametrize("inner_hook", [False, True])
@@ -153,29 +174,39 @@ def test_a_tensorwise_layer_gets_x_t_back_or_casts_the_input_it_kept(inner_hook)
         assert torch.equal(got, want)
 
 
+TP_CASES = [  # (recipe or None: bf16, sequence parallelism)
+    (Fp8Recipe("hybrid"), True),
+    (Fp8Recipe("e4m3", "rowwise"), True),
+    (None, False),
+    (Fp8Recipe("hybrid"), False),
+]
+
+
 def tp_body(rank, world):
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    groups = ParallelGroups.build(Layout(tp=2, sequence_parallel=True), range(world))
     cpu = torch.device("cpu")
-    for recipe in (Fp8Recipe("hybrid"), Fp8Recipe("e4m3", "rowwise")):
-        job = fp8_job(recipe, 1, seed=7)
-        job = dataclasses.replace(job, model=job.model.with_(pointwise_fusion=True))
+    for recipe, sp in TP_CASES:
+        groups = ParallelGroups.build(Layout(tp=2, sequence_parallel=sp), range(world))
+        job = fp8_job(recipe or Fp8Recipe(), 1, seed=7)
+        model = job.model.with_(pointwise_fusion=True)
+        job = dataclasses.replace(job, model=model if recipe else model.with_(fp8_format=None))
         runs, derived = [], []
-        for keep in (False, True):
-            model = job.model.with_(keep_fc2_input=keep)
-            parts = build_model_parts(job, model, groups, cpu)
+        for off in (False, True):
+            parts = build_model_parts(job, job.model, groups, cpu)
             for chunk in parts.chunks:
                 with_backend(chunk, COMPILED)
-            with records(derived) if not keep else contextlib.nullcontext():
+            with recomputation_off() if off else records(derived):
                 runs.append(train(parts, groups, range(2)))
-        what = f"{recipe.format} {recipe.recipe} tp2 sp"
-        # fc2's input of each layer and micro batch, replaced by a record (tensorwise: x^T)
-        records_per_run = 2 * MICRO * job.model.num_layers
-        assert derived == [recipe.recipe == "tensorwise"] * records_per_run, what
+        what = f"{recipe} tp2 sp {sp}"
+        # the inputs of each layer and micro batch replaced by records (tensorwise: x^T):
+        # proj's and fc2's, and without sequence parallelism qkv's and fc1's
+        records_per_run = 2 * MICRO * job.model.num_layers * (2 if sp else 4)
+        tensorwise = recipe is not None and recipe.recipe == "tensorwise"
+        assert derived == [tensorwise] * records_per_run, what
         assert_equal_steps(runs[0], runs[1], what)
-    groups.destroy()
+        groups.destroy()
     return True
 
 
-def test_tp2_training_with_fc2_input_recomputed_equals_keeping_it():
+def test_tp2_training_with_linear_inputs_recomputed_equals_keeping_them():
     assert all(spawn(tp_body, world=2))

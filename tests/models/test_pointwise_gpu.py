@@ -1,9 +1,12 @@
 """--pointwise-fusion on a GPU (inductor's Triton kernels): each region in bf16 follows its
 plain function in fp32, a bf16 Llama step follows the plain step, and a step captured as a
 CUDA graph after eager warm-up steps compiles nothing more and replays the eager fused
-step's losses. An FP8 fused step recomputing fc2's input (x^T cast again by Triton at the
-forward's scale) equals the step keeping it, bit for bit, and keeps tokens x ffn bytes a layer
-less after its forward. Skipped without CUDA."""
+step's losses. The norms' outputs computed again in the backward (their compiled forward
+graphs replayed from their kept inputs) are the forward's bits under inductor, at
+the test's width and the benchmark's. A bf16 and an FP8 fused step recomputing the inputs of
+linear_qkv, linear_proj, linear_fc1 and fc2 (FP8 tensorwise: x^T cast again by Triton at the
+forward's scale) equal the steps keeping them, bit for bit, and keep those inputs' bytes less
+after the forward. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -104,6 +107,36 @@ def test_a_cuda_graph_of_a_fused_step_compiles_nothing_and_replays_the_eager_los
     graph.reset()
 
 
+@pytest.mark.parametrize("hidden", [64, 2048])
+@pytest.mark.parametrize("bias", [False, True], ids=["rmsnorm", "layernorm"])
+def test_the_norm_replayed_in_the_backward_gives_the_forward_bits(hidden, bias):
+    """What linear_qkv's and linear_fc1's recomputation relies on: inductor's kernel of the
+    norm region, replayed on the kept input, gives the forward's output bit for bit, and the
+    replay compiles nothing."""
+    from types import SimpleNamespace
+
+    from megadyn.core.recomputed import replayed
+    from megadyn.models.pointwise import norm
+
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def leaf(*shape, scale=1.0):
+        t = torch.randn(*shape, generator=g, device="cuda") * scale
+        return t.to(torch.bfloat16).requires_grad_()
+
+    n = SimpleNamespace(weight=leaf(hidden), bias=leaf(hidden) if bias else None, eps=1e-5)
+    fn_norm = Fusions()(True, norm, n.weight)  # inductor
+    for scale in (1.0, 4.0):  # the second time with nothing left to compile
+        x = leaf(256, 2, hidden, scale=scale)
+        normed = fn_norm(x, n.weight, n.bias, n.eps)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            again = replayed(fn_norm)(x, n.weight, n.bias, n.eps)
+        differ = (again != normed.detach()).sum().item()
+        assert differ == 0, f"{differ} of {again.numel()} elements differ"
+        normed.float().sum().backward()
+
+
 def fp8_step(cfg, tokens, labels):
     """(bytes the forward leaves allocated, loss, gradients) of one fused FP8 step."""
     torch.manual_seed(5)
@@ -116,24 +149,46 @@ def fp8_step(cfg, tokens, labels):
     return kept, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def test_an_fp8_step_recomputing_fc2s_input_equals_keeping_it():
+def test_steps_recomputing_the_linear_inputs_equal_keeping_them():
+    import megadyn.models.transformer as transformer
     from megadyn.core.tensor_parallel.fp8 import Fp8Recipe
+    from tests.models.test_pointwise_fp8 import recomputation_off
 
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 GEMMs need compute capability 8.9 or newer")
+    recipes = [None, Fp8Recipe("e4m3"), Fp8Recipe("hybrid"), Fp8Recipe("e4m3", "rowwise")]
+    if torch.cuda.get_device_capability() < (8, 9):  # FP8 GEMMs need 8.9 or newer
+        recipes = [None]
     g = torch.Generator(device="cuda").manual_seed(0)
     tokens, labels = torch.randint(0, 100, (2, 2, 16), generator=g, device="cuda")
-    for recipe in (Fp8Recipe("e4m3"), Fp8Recipe("hybrid"), Fp8Recipe("e4m3", "rowwise")):
+    views = []  # whether linear_proj's input is a view of the attention's output
+
+    def heads_to_hidden(out, original=transformer.heads_to_hidden):
+        h = original(out)
+        views.append(h.data_ptr() == out.data_ptr())
+        return h
+
+    for recipe in recipes:
         torch._dynamo.reset()
         cfg = LLAMA.with_(
             params_dtype=torch.bfloat16, hidden_size=256, ffn_hidden_size=512,
-            pointwise_fusion=True, fp8_format=recipe.format, fp8_recipe=recipe.recipe,
+            pointwise_fusion=True,
         )  # fmt: skip
+        if recipe is not None:
+            cfg = cfg.with_(fp8_format=recipe.format, fp8_recipe=recipe.recipe)
         fp8_step(cfg, tokens, labels)  # compiles, workspaces: allocations neither run counts
-        kept, loss, grads = fp8_step(cfg, tokens, labels)
-        kept_off, loss_off, grads_off = fp8_step(cfg.with_(keep_fc2_input=True), tokens, labels)
+        views.clear()
+        transformer.heads_to_hidden = heads_to_hidden
+        try:
+            kept, loss, grads = fp8_step(cfg, tokens, labels)
+        finally:
+            transformer.heads_to_hidden = heads_to_hidden.__defaults__[0]
+        with recomputation_off():
+            kept_off, loss_off, grads_off = fp8_step(cfg, tokens, labels)
         assert torch.equal(loss, loss_off), recipe
         for name, grad in grads.items():
             assert torch.equal(grad, grads_off[name]), (recipe, name)
-        per_element = 1 if recipe.recipe == "tensorwise" else 2  # fp8 x^T, or bf16 x
-        assert kept_off - kept == cfg.num_layers * 2 * 16 * 512 * per_element, recipe
+        t, h, ffn = 2 * 16, cfg.hidden_size, cfg.ffn_size
+        if recipe is not None and recipe.recipe == "tensorwise":  # fp8 x^T of four layers
+            want = t * (3 * h + ffn)
+        else:  # bf16 x; linear_proj's costs nothing where it is a view of the attention's output
+            want = t * (2 * h + ffn) * 2 + (0 if all(views) else t * h * 2)
+        assert kept_off - kept == cfg.num_layers * want, (recipe, views)

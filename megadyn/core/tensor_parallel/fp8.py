@@ -26,7 +26,8 @@ row of each GEMM operand; the backward re-quantizes x and W, kept in the model's
 along the other dimension).
 
 An input that the backward computes again (`recomputed_in_backward`, megadyn/core/
-recomputed.py: fc2's, SwiGLU's output, under --pointwise-fusion) is kept in no form:
+recomputed.py: under --pointwise-fusion the inputs of the blocks' four linear layers) is kept
+in no form:
 tensorwise saves x (the scope keeps a record instead) and the scale, not x^T, which the
 backward casts again from the recomputed x at that scale (requantize: the forward's bits, no
 amax, no all-reduce); rowwise saves x, which the scope replaces alike.
