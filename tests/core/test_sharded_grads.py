@@ -65,15 +65,17 @@ def _watch(trainer) -> list[bool]:
 
 
 def _run(trainer):
-    losses = []
+    """(losses, weights after the last step, gradient norms) of STEPS steps."""
+    losses, norms = [], []
     while trainer.state.iteration < STEPS:
         step = trainer.train_step()
         assert step.applied
         loss = torch.zeros(()) if step.loss is None else step.loss.float().cpu()
         dist.all_reduce(loss)
         losses.append(loss.item())
+        norms.append(step.grad_norm)
     weights = [p.detach().float().clone() for c in trainer.chunks for p in c.parameters()]
-    return losses, weights
+    return losses, weights, norms
 
 
 def _close(zero1, zero2) -> None:

@@ -28,7 +28,7 @@ def _gpus(rank, world):
     """Two GPUs (NCCL, the fused fp32 weight-gradient GEMMs writing into the staging):
     ZeRO-2 trains like ZeRO-1, and between steps holds (1 - 1/dp) x 4 bytes a gradient element
     less, to within 1 MiB. Deterministic mode, as tests/core/test_distopt_instances.py says.
-    Written without a GPU at hand: not yet run."""
+    The bf16 weights after 3 Adam steps: see below."""
     determinism.enable()
     torch.cuda.set_device(rank)
     device = f"cuda:{rank}"
@@ -39,8 +39,17 @@ def _gpus(rank, world):
     result, zero2, held2 = _held(world, "optim_grads", device)
     for a, b in zip(ref[0], result[0]):  # losses
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (ref[0], result[0])
-    for a, b in zip(ref[1], result[1]):  # bf16 weights: an fp32 main value's last bits may
-        torch.testing.assert_close(b, a, rtol=2**-7, atol=1e-6)  # round them one ulp apart
+    for a, b in zip(ref[2], result[2]):  # the reduced gradients, before Adam: a few ulps
+        assert abs(a - b) <= 1e-5 * abs(a), (ref[2], result[2])
+    # Adam divides each element by its own magnitude: where a gradient element is near zero
+    # its last bits (the summation order) can move the update by up to 2 lr a step (a sign
+    # flip; lr 1e-3). Nearly every bf16 weight is within one ulp of ZeRO-1's.
+    lr, off, total = 1e-3, 0, 0
+    for a, b in zip(ref[1], result[1]):
+        assert (a - b).abs().max().item() <= 2 * lr * len(ref[0])
+        off += (~torch.isclose(b, a, rtol=2**-7, atol=1e-6)).sum().item()
+        total += a.numel()
+    assert off <= total // 100, (off, total)
     saved = held1 - held2
     assert abs(saved - numel * 4 // 2) < 2**20, (held1, held2, numel)
 
