@@ -31,7 +31,6 @@ from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
-from megadyn.core.tensor_parallel.fp8_cache import weight_caches
 from megadyn.data.sampler import DataCursor
 from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
 from megadyn.training.trainer import Trainer
@@ -140,7 +139,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-fp8-weight-cache",
         action="store_true",
-        help="quantize each fp8 weight at every micro batch, not once per step (a comparison)",
+        help="quantize each fp8 weight at every micro batch, not once per step (less memory)",
     )
     p.add_argument(
         "--profile", default=None, help="directory: torch.profiler summary of 2 iterations"
@@ -263,8 +262,6 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
         )
     groups = ParallelGroups.build(layout, range(world))
     trainer = Trainer(job_config(a), groups, device, print_fn=lambda *_, **__: None)
-    for cache in weight_caches(trainer.ddp) if a.no_fp8_weight_cache else []:
-        cache.enabled = False
     data = random_batches(a, groups.dp_rank, device)
     trainer.parts.train_loader = RandomTokens(data, a.mbs * layout.dp)
     step = trainer.train_step
@@ -333,6 +330,7 @@ def record(
         attention_backend=a.attention_backend,
         recompute=a.recompute,
         keep_fc2_input=a.keep_fc2_input,
+        cross_entropy_chunks=a.cross_entropy_chunks or 1,
         layers=n_layers,
         hidden=h,
         seq=s,

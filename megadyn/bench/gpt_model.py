@@ -75,6 +75,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     for flag in PART_FLAGS:
         g.add_argument(flag, action="store_true", help="under --pointwise-fusion: that part eager")
     g.add_argument(
+        "--cross-entropy-chunks",
+        type=int,
+        default=None,
+        help="the output layer and its loss over N token chunks: no whole logits held",
+    )
+    g.add_argument(
         "--keep-fc2-input",
         action="store_true",
         help="under --pointwise-fusion with SwiGLU: fc2 keeps its input from the forward "
@@ -120,6 +126,7 @@ def pretrain_argv(a: argparse.Namespace) -> list[str]:
         ("--cp-comm-type", a.cp_comm_type),
         ("--cp-placement", a.cp_placement),
         ("--cp-block-size", a.cp_block_size),
+        ("--cross-entropy-chunks", a.cross_entropy_chunks),
         ("--tp-comm-overlap-transport", a.tp_comm_overlap_transport),
         ("--fp8-format", a.fp8_format),
         ("--fp8-recipe", a.fp8_recipe if a.fp8_format else None),
@@ -134,6 +141,7 @@ def pretrain_argv(a: argparse.Namespace) -> list[str]:
         ("--cross-entropy-loss-fusion", a.fused_loss == "on"),
         ("--no-cross-entropy-loss-fusion", a.fused_loss == "off"),
         ("--pointwise-fusion", a.pointwise_fusion),
+        ("--no-fp8-weight-cache", getattr(a, "no_fp8_weight_cache", False)),
         ("--keep-fc2-input", a.keep_fc2_input),
         *((flag, getattr(a, _dest(flag))) for flag in PART_FLAGS),
     ):

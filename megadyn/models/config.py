@@ -78,6 +78,11 @@ class GPTConfig:
     fused_loss: bool | None = None
     """The vocab-parallel cross entropy through its Triton kernels (one pass each way); None:
     when the logits are on a GPU (the math is the same; eager on the CPU)."""
+    cross_entropy_chunks: int = 1
+    """The output layer and its cross entropy over this many chunks of tokens, never the
+    whole logits at once (--cross-entropy-chunks; core/tensor_parallel/chunked_loss.py): the
+    step's peak holds [tokens / N, V/tp] logits instead of [tokens, V/tp], for one more output
+    GEMM in the backward. 1: the whole logits (the model returns them without labels)."""
     pointwise_fusion: bool = False
     """The transformer blocks' pointwise work through torch.compile's Triton kernels on CUDA
     (--pointwise-fusion): the norms, the residual add (with the hidden dropout) joined to the
@@ -127,6 +132,10 @@ class GPTConfig:
     fp8_recipe: str = "tensorwise"
     """Scaling of the FP8 operands (--fp8-recipe): 'tensorwise' (one dynamic scale per
     tensor) or 'rowwise' (one per row along the GEMM's contraction dimension)."""
+    fp8_weight_cache: bool = True
+    """Under --fp8-format: each weight quantized once per step and kept for its micro batches
+    (--no-fp8-weight-cache: at every use, holding less through the step; a CUDA-graph step
+    quantizes at every use anyway)."""
     apply_query_key_layer_scaling: bool = False
     """Unused by megadyn (scaled_dot_product_attention scales by 1/sqrt(d)); kept for flag parity."""
 
@@ -152,6 +161,10 @@ class GPTConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cross_entropy_chunks < 1:
+            raise ValueError(
+                f"--cross-entropy-chunks must be >= 1, got {self.cross_entropy_chunks}"
+            )
         if self.fp8_format is None and self.fp8_recipe != "tensorwise":
             raise ValueError("--fp8-recipe applies to --fp8-format: add it")
         _ = self.fp8  # its own checks, naming the flags
@@ -161,7 +174,7 @@ class GPTConfig:
         """The linear layers' `fp8` recipe under --fp8-format, else None."""
         if self.fp8_format is None:
             return None
-        return Fp8Recipe(self.fp8_format, self.fp8_recipe)
+        return Fp8Recipe(self.fp8_format, self.fp8_recipe, self.fp8_weight_cache)
 
     @property
     def fp8_gemm_sizes(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ from megadyn.core.tensor_parallel import (
     ColumnParallelLinear,
     RNGTracker,
     VocabParallelEmbedding,
+    chunked_output_loss,
     group_rank,
     group_size,
     mark_param,
@@ -229,10 +230,24 @@ class GPTModel(nn.Module):
         weight = (
             None if self.output_layer.weight is not None else self.embedding.word_embeddings.weight
         )
+        fused = self.cfg.fused_loss if self.cfg.fused_loss is not None else x.is_cuda
+        if labels is not None and self.cfg.cross_entropy_chunks > 1:  # no whole logits
+            out = self.output_layer
+            loss = chunked_output_loss(
+                x,
+                out.weight if weight is None else weight,
+                labels.t(),
+                self.vocab_start,
+                self.tp_group,
+                chunks=self.cfg.cross_entropy_chunks,
+                fused=fused,
+                fuse=weight is None and out.grad_accumulation_fusion,
+                sequence_parallel=self.sequence_parallel,
+            )
+            return loss.t()  # [b, s]
         logits = self.output_layer(x, weight)  # [s, b, V/tp]
         if labels is None:
             return logits
-        fused = self.cfg.fused_loss if self.cfg.fused_loss is not None else logits.is_cuda
         loss = vocab_parallel_cross_entropy(
             logits, labels.t(), self.vocab_start, self.tp_group, fused=fused
         )

@@ -381,3 +381,17 @@ def test_flags_are_refused_by_name(extra, flag):
         parse_args(shlex.split(f"{BASE} {extra}"), world_size=8)
     assert flag in str(err.value)
     parse_args(shlex.split(f"{BASE} --fp8-format hybrid"), world_size=8)  # the plain case runs
+
+
+def test_no_fp8_weight_cache_quantizes_at_every_use():
+    """--no-fp8-weight-cache reaches every fp8 layer: inside a step's scope nothing is kept."""
+    cfg = VARIANTS["llama"].with_(fp8_format="hybrid", fp8_weight_cache=False)
+    model = GPTModel(cfg)
+    init_chunk(model, 1)
+    caches = weight_caches([model])
+    assert caches and not any(cache.enabled for cache in caches)
+    tokens, labels, mask = batch()
+    with weights_fixed([model]):
+        for _ in range(2):  # two micro batches
+            masked_mean(model(tokens, labels=labels), mask).backward()
+    assert [(cache.fills, cache.hits) for cache in caches] == [(0, 0)] * len(caches)

@@ -1,5 +1,6 @@
 """Tensor parallelism: communication functions, layers, vocab-parallel loss, RNG streams."""
 
+from megadyn.core.tensor_parallel.chunked_loss import chunked_output_loss
 from megadyn.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megadyn.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -22,6 +23,7 @@ from megadyn.core.tensor_parallel.mappings import (
 from megadyn.core.tensor_parallel.random import RNGTracker, seed_default_generator
 
 __all__ = [
+    "chunked_output_loss",
     "ColumnParallelLinear",
     "RNGTracker",
     "RowParallelLinear",

@@ -90,6 +90,9 @@ class Fp8Recipe:
     recipe: str = "tensorwise"
     """'tensorwise' (one dynamic scale per tensor) or 'rowwise' (one per row along the
     contraction dimension) (--fp8-recipe)."""
+    weight_cache: bool = True
+    """Each weight quantized once per step and kept (fp8_cache.py); False: at every use, one
+    byte a weight (two tensorwise, with W^T) less held through the step (--no-fp8-weight-cache)."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
