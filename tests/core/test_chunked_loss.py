@@ -132,3 +132,36 @@ def test_tp2_and_dp2_training_with_chunks_follow_the_whole_logits():
     parallelism; the Trainer at dp 2, ZeRO-1 and ZeRO-2, bf16 with main_grad fusion."""
     assert all(spawn(tp_body, world=2))
     assert all(spawn(trainer_body, world=2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_chunks_follow_the_whole_logits_with_the_fused_kernels():
+    """bf16 on CUDA: the fused cross entropy's kernels per chunk (its gradient written over the
+    chunk's logits), the weight gradient into an fp32 main_grad by cuBLAS; a peak that holds
+    one chunk's logits, not the whole."""
+    cfg = VARIANTS["llama"].with_(params_dtype=torch.bfloat16, vocab_size=32000)
+    tokens = torch.randint(0, 32000, (4, 32), device="cuda")
+    runs = []
+    for chunks in (1, 4):
+        model = GPTModel(cfg.with_(cross_entropy_chunks=chunks), device="cuda")
+        init_chunk(model, 1)
+        for p in model.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        per_token = model(tokens, labels=tokens)
+        per_token.mean().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        grads = {
+            n: p.main_grad if getattr(p, "grad_added_to_main_grad", False) else p.grad.float()
+            for n, p in model.named_parameters()
+        }
+        runs.append((per_token.detach(), grads, peak))
+    (whole, whole_grads, whole_peak), (chunked, chunked_grads, chunked_peak) = runs
+    torch.testing.assert_close(chunked, whole, rtol=2e-2, atol=2e-2)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=5e-2, atol=1e-3, msg=name)
+    logits = 4 * 32 * 32000 * 2  # [b, s, V] bf16
+    assert whole_peak - chunked_peak >= logits // 2, (whole_peak, chunked_peak)
