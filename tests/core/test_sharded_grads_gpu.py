@@ -39,8 +39,11 @@ def _gpus(rank, world):
     result, zero2, held2 = _held(world, "optim_grads", device)
     for a, b in zip(ref[0], result[0]):  # losses
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (ref[0], result[0])
-    for a, b in zip(ref[2], result[2]):  # the reduced gradients, before Adam: a few ulps
-        assert abs(a - b) <= 1e-5 * abs(a), (ref[2], result[2])
+    # the gradient norms: the first step's, before any Adam step, a few ulps apart; the later
+    # steps' also carry the weights' differences below
+    assert abs(ref[2][0] - result[2][0]) <= 1e-5 * ref[2][0], (ref[2], result[2])
+    for a, b in zip(ref[2], result[2]):
+        assert abs(a - b) <= 1e-3 * abs(a), (ref[2], result[2])
     # Adam divides each element by its own magnitude: where a gradient element is near zero
     # its last bits (the summation order) can move the update by up to 2 lr a step (a sign
     # flip; lr 1e-3). Nearly every bf16 weight is within one ulp of ZeRO-1's.
