@@ -133,7 +133,10 @@ def test_megatron_style_command():
         ("", dict(keep_fc2_input=False)),
         ("--pointwise-fusion --keep-fc2-input", dict(pointwise_fusion=True, keep_fc2_input=True)),
         ("", dict(cross_entropy_chunks=1, fp8_weight_cache=True)),
-        ("--cross-entropy-chunks 4 --no-fp8-weight-cache", dict(cross_entropy_chunks=4, fp8_weight_cache=False)),
+        (
+            "--cross-entropy-chunks 4 --no-fp8-weight-cache",
+            dict(cross_entropy_chunks=4, fp8_weight_cache=False),
+        ),
         (
             "--pointwise-fusion --no-norm-fusion --no-bias-swiglu-fusion --no-rope-fusion "
             "--no-bias-dropout-fusion",

@@ -249,3 +249,18 @@ def test_precision_aware_optimizer_through_the_cli(tmp_path):
     assert "--ckpt-step 3" in said[0], out
     code, out = cli("pretrain_gpt.py", *COMMON, "--use-precision-aware-optimizer")
     assert code == 2 and "--use-precision-aware-optimizer" in out and "Traceback" not in out, out
+
+
+def test_cross_entropy_chunks_through_the_cli():
+    """`python pretrain_gpt.py --cross-entropy-chunks 3` as a user runs it trains the losses of
+    the run without it; 0 chunks is refused naming the flag, without a traceback."""
+
+    def losses(*flags):
+        code, out = cli("pretrain_gpt.py", *COMMON, "--untie-embeddings-and-output-weights", *flags)
+        assert code == 0, out
+        return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
+
+    whole, chunked = losses(), losses("--cross-entropy-chunks", "3")
+    assert len(whole) == 6 and chunked == pytest.approx(whole, rel=1e-5)
+    code, out = cli("pretrain_gpt.py", *COMMON, "--cross-entropy-chunks", "0")
+    assert code == 2 and "--cross-entropy-chunks must be >= 1" in out and "Traceback" not in out
