@@ -57,6 +57,22 @@ def reference():
     return spawn(run_pretrain, world=1, args=(TINY + ["--train-iters", str(ITERS)],))[0].history
 
 
+def recorded(out: Path, rank: int, iteration: int) -> bool:
+    """Whether `rank`'s record (recover_worker.py) shows `iteration` or a later one."""
+    path = out / f"rank{rank}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return any(json.loads(line)["it"] >= iteration for line in lines if line.endswith("}"))
+
+
+def await_records(out: Path, ranks, iteration: int, timeout_s: float = 10.0) -> None:
+    """Wait (up to `timeout_s`) until every rank's record shows `iteration`: a signal sent on
+    the log line alone could land in a victim's step after its collectives but before its
+    record, which would then miss that step's samples."""
+    deadline = time.monotonic() + timeout_s
+    while not all(recorded(out, r, iteration) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, str]],
         env: dict | None = None, control_port: int | None = None):  # fmt: skip
     """Run one job; `signals`: (rank, at iteration, signal name) sent in turn, each once the
@@ -73,15 +89,8 @@ def job(tmp_path, nproc: int, flags: list[str], signals: list[tuple[int, int, st
            "--elastic-control-port", str(control_port or free_port()), *flags]  # fmt: skip
     state = {"iteration": 0, "recoveries": 0, "sent": [], "next": 0}
 
-    def recorded(rank: int, iteration: int) -> bool:
-        path = out / f"rank{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return any(json.loads(line)["it"] >= iteration for line in lines if line.endswith("}"))
-
     def send(agents, rank: int, iteration: int, name: str) -> None:
-        deadline = time.monotonic() + 10
-        while not recorded(rank, iteration) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        await_records(out, [rank], iteration)
         pid = next(p for p in workers_of(agents[0].pid) if rank_of(p) == rank)
         os.kill(pid, getattr(signal, name))
         state["sent"].append((rank, name, state["iteration"]))

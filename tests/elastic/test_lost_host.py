@@ -32,6 +32,7 @@ from recovery_helpers import LINE, REPO, run_torchrun, workers_of
 from test_in_process_recovery import (
     ITERS,
     TINY,
+    await_records,
     check_losses,
     check_samples,
     recoveries,
@@ -96,6 +97,7 @@ def test_a_lost_host_leaves_the_other_one_training(tmp_path, reference, lost_nod
     def lose_host(agents):
         agent = next(a for a in agents if group_rank_of(a.pid) == lost_node)
         lost["ranks"] = sorted(int(_env(p)["RANK"]) for p in workers_of(agent.pid))
+        await_records(tmp_path / "out", lost["ranks"], 5)  # its last step recorded
         for pid in [agent.pid, *workers_of(agent.pid)]:  # the host's processes, all at once
             os.kill(pid, signal.SIGKILL)
 
@@ -118,6 +120,7 @@ def test_a_lost_host_leaves_the_other_one_training(tmp_path, reference, lost_nod
 def test_a_hung_worker_on_another_host_is_killed_by_its_own_agent(tmp_path, reference):  # noqa: F811
     def stop_rank_3(agents):
         pid = next(p for a in agents for p in workers_of(a.pid) if _env(p)["RANK"] == "3")
+        await_records(tmp_path / "out", [3], 5)  # its last step recorded
         os.kill(pid, signal.SIGSTOP)
 
     # 10 s: long enough that a loaded machine's slow first steps are not silences
