@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_training_run import COMMON, JOB, close, train  # noqa: E402
 
-from megadyn.testing import run_pretrain, spawn
+from megadyn.testing import free_port, run_pretrain, spawn
 from megadyn.testing.damage import flip_bytes
 from megadyn.training.checkpoint import CheckpointError
 from megadyn.training.checkpoint_dirs import (
@@ -264,3 +264,43 @@ def test_cross_entropy_chunks_through_the_cli():
     assert len(whole) == 6 and chunked == pytest.approx(whole, rel=1e-5)
     code, out = cli("pretrain_gpt.py", *COMMON, "--cross-entropy-chunks", "0")
     assert code == 2 and "--cross-entropy-chunks must be >= 1" in out and "Traceback" not in out
+
+
+def test_sharded_gradients_and_loss_chunks_under_torchrun(tmp_path):
+    """As an operator runs them, `torchrun --nproc-per-node 2 pretrain_gpt.py` at dp 2: a run
+    with --data-parallel-sharding-strategy optim_grads and --cross-entropy-chunks that saves;
+    a resume of its older checkpoint with both flags dropped (ZeRO-1, whole logits) that trains
+    iterations 4-6 to its losses; the newest checkpoint truncated since: one error line naming
+    the file, no frame of ours."""
+
+    def torchrun(*args: str) -> tuple[int, str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-port", str(free_port()), "pretrain_gpt.py", *COMMON]
+        cmd += ["--use-distributed-optimizer", "--overlap-grad-reduce", *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("MEGADYN_DEBUG", None)
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        return done.returncode, done.stdout + done.stderr
+
+    def losses(out: str) -> dict[int, float]:
+        found = re.findall(r" iteration +(\d+)/ *6 .*?lm loss: ([0-9.E+-]+)", out)
+        return {int(it): float(loss) for it, loss in found}
+
+    save = str(tmp_path / "ckpt")
+    zero2 = ["--data-parallel-sharding-strategy", "optim_grads", "--cross-entropy-chunks", "3"]
+    code, out = torchrun(*zero2, "--save", save, "--save-interval", "3")
+    first = losses(out)
+    assert code == 0 and sorted(first) == [1, 2, 3, 4, 5, 6], out
+    code, out = torchrun("--load", save, "--ckpt-step", "3")
+    resumed = losses(out)
+    assert code == 0 and sorted(resumed) == [4, 5, 6], out
+    for it, loss in resumed.items():  # fp32 sums in another order: ZeRO-1, whole GEMMs
+        assert loss == pytest.approx(first[it], rel=1e-4), (it, first, resumed)
+    newest = os.path.join(save, "iter_0000006")
+    shard = sorted(p for p in os.listdir(newest) if p.endswith(".distcp"))[0]
+    truncate(os.path.join(newest, shard))
+    code, out = torchrun(*zero2, "--load", save)
+    said = {line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")}
+    assert code != 0 and len(said) == 1, out
+    assert f"{os.path.join(newest, shard)} is short by" in said.pop(), out
+    assert not re.search(r"File \"\S*(megadyn|pretrain_gpt)", out), out  # no frame of ours
