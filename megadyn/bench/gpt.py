@@ -26,14 +26,22 @@ from megadyn.bench.documents import skewed_document_ids
 from megadyn.bench.gpt_model import add_model_args, check_model_args, model_config, model_record
 from megadyn.bench.trace_overlap import summarize, write_kernels_csv
 from megadyn.core import c10d_compat
+from megadyn.core.distributed.sharded_grads import STRATEGIES
 from megadyn.core.groups import ParallelGroups
 from megadyn.core.layout import Layout
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.pipeline import check_cuda_graph
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.data.sampler import DataCursor
-from megadyn.training.config import DataConfig, MegadynConfig, ParallelConfig, TrainingConfig
+from megadyn.training.config import (
+    ConfigError,
+    DataConfig,
+    MegadynConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
 from megadyn.training.trainer import Trainer
+from megadyn.training.validation import validate_sharding_strategy
 
 SEED = 1234
 
@@ -78,7 +86,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--data-parallel-sharding-strategy",
-        choices=["optim", "optim_grads"],
+        choices=STRATEGIES,
         default="optim",
         help="optim_grads: gradients sharded over dp too (ZeRO-2; pp 1, no --cuda-graph)",
     )
@@ -146,13 +154,6 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     )
     a = p.parse_args(argv)
     check_model_args(p, a)
-    zero2 = a.data_parallel_sharding_strategy == "optim_grads"
-    if zero2 and (
-        a.pp > 1 or a.cuda_graph or a.no_distributed_optimizer or a.distopt_instances > 1
-    ):
-        p.error(
-            "--data-parallel-sharding-strategy optim_grads: pp 1, no --cuda-graph, one optimizer instance"
-        )
     return a
 
 
@@ -260,8 +261,13 @@ def run_gpt_bench(a: argparse.Namespace, device) -> dict:
         check_cuda_graph(
             pp=a.pp, vpp=a.vpp or 1, dropout=0.0, recompute=recompute_kind, device=device
         )
+    cfg = job_config(a)
+    try:
+        validate_sharding_strategy(cfg, layout)
+    except ConfigError as err:
+        raise SystemExit(f"tools/bench_gpt.py: error: {err}") from err
     groups = ParallelGroups.build(layout, range(world))
-    trainer = Trainer(job_config(a), groups, device, print_fn=lambda *_, **__: None)
+    trainer = Trainer(cfg, groups, device, print_fn=lambda *_, **__: None)
     data = random_batches(a, groups.dp_rank, device)
     trainer.parts.train_loader = RandomTokens(data, a.mbs * layout.dp)
     step = trainer.train_step

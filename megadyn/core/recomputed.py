@@ -16,8 +16,7 @@ takes x^T in fp8, cast in the forward at a dynamic scale. A tensorwise layer who
 scope names saves the 16-bit input x (replaced by a record) and the scale (a scalar) instead,
 announcing derive = the cast of x^T at that scale (fp8.requantize): the backward computes h
 again, casts it, and gets the forward's bits, so the gradients are those of keeping x^T. The
-16-bit h lives only while it is cast (with the cast's untransposed by-product: requantize
-writes q and q^T). Should a saved-tensor hook opened inside the scope keep x itself, the
+16-bit h lives only while it is cast (fp8.requantize_t writes x^T alone). Should a saved-tensor hook opened inside the scope keep x itself, the
 layer's backward casts that x at the saved scale: the same bits. A rowwise layer already saves its 16-bit input (its
 backward quantizes x^T along tokens, which its forward never did): the record replaces it.
 

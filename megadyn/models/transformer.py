@@ -238,7 +238,7 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         self.fusions = Fusions.from_config(cfg)
-        self.recompute_fc2_input = not cfg.keep_fc2_input
+        self.keep_fc2_input = cfg.keep_fc2_input
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         tp = group_size(tp_group)
         fc1_out = cfg.ffn_size * (2 if self.swiglu else 1)
@@ -270,7 +270,7 @@ class MLP(nn.Module):
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
         h = fn(y)
-        if not (self.fusions.swiglu and self.recompute_fc2_input):
+        if not self.fusions.swiglu or self.keep_fc2_input:
             return self.linear_fc2(h)
         with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h, 16-bit or fp8
             return self.linear_fc2(h)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megadyn.core.distributed.sharded_grads import STRATEGIES
 from megadyn.core.optimizer import OptimizerConfig
 from megadyn.core.recompute import RecomputeConfig
 from megadyn.data import TOKENIZER_TYPES
@@ -159,7 +160,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     par("--overlap-grad-reduce", action="store_true")
     par("--overlap-param-gather", action="store_true")
     par("--num-distributed-optimizer-instances", type=int)
-    par("--data-parallel-sharding-strategy", choices=["optim", "optim_grads"])
+    par("--data-parallel-sharding-strategy", choices=STRATEGIES)
     par("--heterogeneous-pipelines", type=int, nargs="*", metavar="STAGES")
     par("--distributed-timeout-minutes", type=int)
     _add_elastic_args(p)

@@ -87,7 +87,7 @@ def _validate_layout(cfg: MegadynConfig, world_size: int) -> Layout:
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
         )
     _validate_distopt_instances(par.num_distributed_optimizer_instances, dist_opt, layout)
-    _validate_sharding_strategy(cfg, layout)
+    validate_sharding_strategy(cfg, layout)
     MicroBatchCalculator.from_config(cfg.training).check_dp_size(layout.dp)
     return layout
 
@@ -108,8 +108,9 @@ def _validate_distopt_instances(instances: int, dist_opt: bool, layout: Layout) 
         )
 
 
-def _validate_sharding_strategy(cfg: MegadynConfig, layout: Layout) -> None:
-    """--data-parallel-sharding-strategy optim_grads: what its first version runs with."""
+def validate_sharding_strategy(cfg: MegadynConfig, layout: Layout) -> None:
+    """--data-parallel-sharding-strategy optim_grads: what its first version runs with (also
+    tools/bench_gpt.py's check)."""
     if cfg.parallel.data_parallel_sharding_strategy != "optim_grads":
         return
     flag = "--data-parallel-sharding-strategy optim_grads"

@@ -54,10 +54,12 @@ def _grad(param: nn.Parameter) -> torch.Tensor:
 def allreduce_sequence_parallel_grads(chunks: Sequence[nn.Module], tp_group) -> None:
     """Sum the grads of `sequence_parallel` params over `tp_group` (one coalesced all-reduce)."""
     grads = [
-        _grad(p)
+        g
         for chunk in chunks
         for p in chunk.parameters()
-        if p.requires_grad and getattr(p, "sequence_parallel", False) and _grad(p) is not None
+        if p.requires_grad
+        and getattr(p, "sequence_parallel", False)
+        and (g := _grad(p)) is not None
     ]
     if not grads:
         return

@@ -125,7 +125,7 @@ class StagedReduction:
     def __init__(self, buckets: list[ShardedGradBucket], overlap: bool):
         self.buckets, self.overlap = buckets, overlap
         self._queued = False
-        self._launched: list[ShardedGradBucket] = []
+        self._reducing: ShardedGradBucket | None = None  # launched, not yet finished
 
     def grad_ready(self, bucket: ShardedGradBucket, param: nn.Parameter) -> None:
         if not self._queued:
@@ -134,21 +134,21 @@ class StagedReduction:
         if not self.overlap:
             return
         bucket.register_grad_ready(param)
-        if bucket._launched and bucket not in self._launched:
-            for earlier in self._launched:
-                earlier.finish_grad_sync()
-            self._launched = [bucket]
+        if bucket._launched and bucket is not self._reducing:
+            if self._reducing is not None:
+                self._reducing.finish_grad_sync()
+            self._reducing = bucket
 
     def reset(self) -> None:
         """Forget a backward that never ended (it raised): its flush was not run."""
-        self._queued, self._launched = False, []
+        self._queued, self._reducing = False, None
 
     def flush(self) -> None:
         """End of one micro batch's backward: reduce every bucket's staged gradients into the
         shards. Every bucket is reduced (one with no gradient this micro batch as zeros), so all
         ranks run the same collectives; all are launched before the first wait. Buckets
         reduced during the backward are not reduced again (unless gradients came after)."""
-        self._queued, self._launched = False, []
+        self._queued, self._reducing = False, None
         pending = [b for b in self.buckets if not b.reduced or b.staging is not None]
         for bucket in pending:
             bucket.stage()

@@ -75,9 +75,11 @@ def adamw_update(
             set_adam_state(shard, zeros, zeros, 0, fused)
     pairs = list(zip(shards, grads))
     if fused:  # remainders on CUDA: the one-pass kernel
-        for shard, grad in pairs:
-            if shard.remainder is not None:
-                _one_pass(shard, grad, hyper, step)
+        one_pass = [(s, g) for s, g in pairs if s.remainder is not None]
+        for shard, grad in one_pass:
+            _one_pass(shard, grad, hyper, step)
+        if one_pass:  # the counters as torch's update counts them: one launch, no host read
+            torch._foreach_add_([s.adam["step"] for s, _ in one_pass], 1)
         pairs = [(s, g) for s, g in pairs if s.remainder is None]
     for decay in (True, False):
         pairs_of = [(s, g) for s, g in pairs if s.decay == decay]
@@ -92,7 +94,6 @@ def _one_pass(shard: ParamShard, grad: torch.Tensor, hyper: AdamHyper, step: int
         adam["exp_avg_sq"], lr=hyper.lr, beta1=hyper.betas[0], beta2=hyper.betas[1],
         eps=hyper.eps, weight_decay=hyper.weight_decay if shard.decay else 0.0, step=step,
     )  # fmt: skip
-    adam["step"].add_(1)  # as torch's update counts it (no host read)
 
 
 def _chunks(pairs, scratch_numel: int) -> Iterator[list[tuple[ParamShard, torch.Tensor]]]:

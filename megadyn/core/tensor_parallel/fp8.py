@@ -174,26 +174,27 @@ def quantize(
     return _cast(t, dtype, pow2_scale(amax, fp8_max), transpose)
 
 
-def requantize(t: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor, transpose=False):
+def requantize(
+    t: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor, transpose=False, write_q=True
+):
     """quantize(t, dtype, None, group, transpose) once more, given the `inv_scale` that call
     returned and t unchanged since: the same bits from the cast alone (no amax, nothing
-    all-reduced: the scale was agreed over `group` then)."""
+    all-reduced: the scale was agreed over `group` then). `write_q` False (with `transpose`):
+    q^T alone; on CUDA q is then neither written nor returned."""
     if t.is_cuda:
         from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
 
         fp8_max = FP8_MAX[dtype]
-        return quantize_tensorwise(t, dtype, fp8_max, AMAX_FLOOR, None, transpose, inv_scale)
+        return quantize_tensorwise(
+            t, dtype, fp8_max, AMAX_FLOOR, None, transpose, inv_scale, write_q
+        )
     return _cast(t, dtype, inv_scale.reciprocal(), transpose)  # exact: a power of two
 
 
 def requantize_t(t: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor) -> torch.Tensor:
-    """requantize(t, dtype, inv_scale, transpose=True)'s q^T alone (on CUDA q is not written)."""
-    if t.is_cuda:
-        from megadyn.core.tensor_parallel.fp8_kernels import quantize_tensorwise
-
-        fp8_max = FP8_MAX[dtype]
-        return quantize_tensorwise(t, dtype, fp8_max, AMAX_FLOOR, None, True, inv_scale, False)[2]
-    return requantize(t, dtype, inv_scale, transpose=True)[2]
+    """x^T (from x [tokens, in] or W [out, in]) in fp8 at the forward's scale: requantize's
+    q^T alone."""
+    return requantize(t, dtype, inv_scale, transpose=True, write_q=False)[2]
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, transpose: bool):
@@ -236,11 +237,6 @@ def emulated_mm(a, a_inv, b, b_inv, out_dtype: torch.dtype, bias=None) -> torch.
     return y.to(out_dtype)
 
 
-def _x_t(dtype: torch.dtype, inv_scale: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-    """x^T [in, tokens] in fp8 at the forward's scale, from x [tokens, in] computed again."""
-    return requantize_t(x2d, dtype, inv_scale)
-
-
 def _col_major(q: torch.Tensor) -> torch.Tensor:
     """The column-major [k, n] operand whose row-major transpose q [n, k] is held."""
     return q.t()
@@ -256,6 +252,9 @@ class Fp8Gemms:
     tp_group: object
     column: bool
     weight_cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.weight_cache.enabled = self.recipe.weight_cache  # --no-fp8-weight-cache
 
     def _group(self, sharded: bool):
         return self.tp_group if sharded and group_size(self.tp_group) > 1 else None
@@ -288,7 +287,7 @@ class Fp8Gemms:
             again = need_w and recomputed(x2d)  # x^T: cast in the backward from x again
             xq, xs, xqt = quantize(x2d, fp8, None, self._group(row), transpose=need_w and not again)
             if again:  # x2d is saved as a record; the backward gets x^T at scale 1 / xs
-                derived_in_backward(x2d, functools.partial(_x_t, fp8, xs))
+                derived_in_backward(x2d, functools.partial(requantize_t, dtype=fp8, inv_scale=xs))
                 xqt = x2d
             # W^T in the same pass only where the step's cache keeps it for the backward
             transpose = need_x and self.weight_cache.keeps(weight)
@@ -315,7 +314,7 @@ class Fp8Gemms:
         if self.recipe.recipe == "tensorwise":
             xqt, xs, weight, ws = saved  # x^T [in, t], W [out, in] (the parameter)
             if xqt is not None and xqt.dtype != self.recipe.forward_dtype:  # x, not derived
-                xqt = _x_t(self.recipe.forward_dtype, xs, xqt)
+                xqt = requantize_t(xqt, self.recipe.forward_dtype, xs)
             gq, gs, gqt = quantize(g2d, gdt, None, self._group(self.column), transpose=True)
             grad_x = None
             if need_input:  # g [t, out] @ W [out, in]

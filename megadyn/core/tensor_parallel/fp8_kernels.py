@@ -108,12 +108,11 @@ def quantize_tensorwise(
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         inv = torch.empty((), dtype=torch.float32, device=t.device)
     rows, cols = t.shape
+    q = torch.empty(t.shape, dtype=dtype, device=t.device) if write_q else None
     qt = torch.empty((cols, rows), dtype=dtype, device=t.device) if transpose else None
-    q = torch.empty(t.shape, dtype=dtype, device=t.device) if write_q else qt
-    qt = q if qt is None else qt
     grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
-    _cast_kernel[grid](
-        t, amax, q, qt, inv, rows, cols, fp8_max, amax_floor,
-        TRANSPOSE=transpose, GIVEN_SCALE=given, WRITE_Q=write_q, BM=TILE, BN=TILE,
+    _cast_kernel[grid](  # an unwritten output's pointer is the other one
+        t, amax, q if write_q else qt, qt if transpose else q, inv, rows, cols, fp8_max,
+        amax_floor, TRANSPOSE=transpose, GIVEN_SCALE=given, WRITE_Q=write_q, BM=TILE, BN=TILE,
     )  # fmt: skip
-    return q if write_q else None, inv, qt if transpose else None
+    return q, inv, qt

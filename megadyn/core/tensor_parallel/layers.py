@@ -153,9 +153,7 @@ def _fp8_gemms(recipe: Fp8Recipe | None, tp_group, column: bool, comm_overlap) -
         return None
     if comm_overlap:
         raise ValueError("--fp8-format does not run with --tp-comm-overlap yet: drop one of them")
-    gemms = Fp8Gemms(recipe, tp_group, column)
-    gemms.weight_cache.enabled = recipe.weight_cache
-    return gemms
+    return Fp8Gemms(recipe, tp_group, column)
 
 
 def mark_param(param: nn.Parameter, partition_dim: int = -1, sequence_parallel: bool = False):
