@@ -80,7 +80,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         "--data-parallel-sharding-strategy",
         choices=["optim", "optim_grads"],
         default="optim",
-        help="optim_grads: gradients sharded over dp too (ZeRO-2; pp 1, no --cuda-graph)",
+        help="optim_grads: gradients sharded over dp too (ZeRO-2; pp 1)",
     )
     p.add_argument(
         "--use-precision-aware-optimizer",
@@ -147,11 +147,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     check_model_args(p, a)
     zero2 = a.data_parallel_sharding_strategy == "optim_grads"
-    if zero2 and (
-        a.pp > 1 or a.cuda_graph or a.no_distributed_optimizer or a.distopt_instances > 1
-    ):
+    if zero2 and (a.pp > 1 or a.no_distributed_optimizer or a.distopt_instances > 1):
         p.error(
-            "--data-parallel-sharding-strategy optim_grads: pp 1, no --cuda-graph, one optimizer instance"
+            "--data-parallel-sharding-strategy optim_grads: pp 1, the distributed optimizer, "
+            "one optimizer instance"
         )
     return a
 
