@@ -88,7 +88,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         "--data-parallel-sharding-strategy",
         choices=STRATEGIES,
         default="optim",
-        help="optim_grads: gradients sharded over dp too (ZeRO-2; pp 1, no --cuda-graph)",
+        help="optim_grads: gradients sharded over dp too (ZeRO-2; pp 1)",
     )
     p.add_argument(
         "--use-precision-aware-optimizer",

@@ -124,7 +124,6 @@ def validate_sharding_strategy(cfg: MegadynConfig, layout: Layout) -> None:
     unsupported = {
         "--pipeline-model-parallel-size > 1": layout.pp > 1,
         "--num-distributed-optimizer-instances > 1": layout.distopt_instances > 1,
-        "--enable-cuda-graph": cfg.training.enable_cuda_graph,
         "--heterogeneous-pipelines": cfg.parallel.heterogeneous_pipelines is not None,
         "--dynamic-parallelism": cfg.training.dynamic_parallelism,
         "live reconfiguration (--elastic-control-port, --elastic-initial-members)": (

@@ -261,7 +261,6 @@ def test_zero2_trains_like_zero1_at_dp2_tp2_sequence_parallel_and_dp2_cp2():
          "--pipeline-model-parallel-size > 1"),
         (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 4,
          "--num-distributed-optimizer-instances > 1"),
-        (["--use-distributed-optimizer", "--enable-cuda-graph"], 2, "--enable-cuda-graph yet"),
     ],
 )  # fmt: skip
 def test_argument_errors(flags, world, message):
@@ -269,6 +268,17 @@ def test_argument_errors(flags, world, message):
     argv += [] if flags == ["--use-distributed-optimizer"] else ["--overlap-grad-reduce"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(argv, world)
+
+
+def test_cuda_graphs_are_accepted():
+    """ZeRO-2 composes with --enable-cuda-graph (the capture is checked on GPUs:
+    test_sharded_grads_gpu.py)."""
+    argv = tiny_args(train_iters=1) + ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+    argv += ["--data-parallel-sharding-strategy", "optim_grads", "--enable-cuda-graph"]
+    argv += ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    cfg = parse_args(argv, 2)
+    assert cfg.training.enable_cuda_graph
+    assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads"
 
 
 def test_unknown_strategy_and_default():

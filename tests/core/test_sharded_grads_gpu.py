@@ -57,6 +57,31 @@ def _gpus(rank, world):
     assert abs(saved - numel * 4 // 2) < 2**20, (held1, held2, numel)
 
 
+def _graphs(rank, world):
+    """ZeRO-2 under CUDA graphs (one eager warm-up step, the second captured, the third a
+    replay) trains as ZeRO-2 without them: the per-micro-batch reduce-scatters and adds into
+    the shard are captured with each backward and replayed."""
+    determinism.enable()
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    eager = _run(_trainer(world, "optim_grads", *GPU_MODEL, device=device))
+    graph = ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]
+    trainer = _trainer(world, "optim_grads", *GPU_MODEL, *graph, device=device)
+    graphed = _run(trainer)
+    assert trainer.parts.cuda_graph is not None and trainer.parts.cuda_graph.captures == 1
+    for a, b in zip(eager[0], graphed[0]):  # losses
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (eager[0], graphed[0])
+    assert abs(eager[2][0] - graphed[2][0]) <= 1e-5 * eager[2][0], (eager[2], graphed[2])
+    for a, b in zip(eager[1], graphed[1]):
+        off = (~torch.isclose(b, a, rtol=2**-7, atol=1e-6)).sum().item()
+        assert off <= a.numel() // 100, (off, a.numel())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_zero2_on_gpus():
     spawn(_gpus, world=2, timeout_s=300)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_zero2_under_cuda_graphs():
+    spawn(_graphs, world=2, timeout_s=300)

@@ -30,6 +30,12 @@ several buckets and --overlap-grad-reduce: without it a buffer is one bucket, st
 the backward ends, more than ZeRO-1 holds then. The price: each micro batch reduce-scatters
 the whole buffer, where ZeRO-1 reduce-scatters it once a step.
 
+Under --enable-cuda-graph the whole of a micro batch's part (staging, reduce-scatters, the adds
+into `grad_shard`) is captured with its backward: the flush runs inside the backward, the
+staging comes from the graph's memory pool, and every replay adds into the same `grad_shard`,
+which the step zeroes outside the graph. The Python state (which bucket is staged or launched)
+ends each captured backward as it began, so eager micro batches and replays can alternate.
+
 `ParamShard.grad()` (the optimizer) reads `shard_grad(param)`, the parameter's piece of
 `grad_shard`; sequence parallelism's tp all-reduce of norm gradients works on those pieces too
 (every tp rank has the same bucket layout).
