@@ -84,6 +84,28 @@ def rope_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """SwiGLU whose forward is `forward_fn` (compiled) and whose backward is one pass that
+    writes both halves of fc1's gradient (swiglu_kernels.py); it keeps fc1's output alone."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, forward_fn: Callable) -> torch.Tensor:
+        ctx.save_for_backward(y)
+        return forward_fn(y)  # without gradients: the compiled inference graph
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        from megadyn.models.swiglu_kernels import swiglu_backward
+
+        (y,) = ctx.saved_tensors
+        return swiglu_backward(y, dh), None
+
+
+def fused_swiglu(y: torch.Tensor, forward_fn: Callable) -> torch.Tensor:
+    """silu(gate) * up with `forward_fn` (swiglu, compiled) forward and the one-pass backward."""
+    return _SwiGLU.apply(y, forward_fn)
+
+
 @functools.cache
 def _compiled(fn: Callable, backend: str) -> Callable:
     return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)

@@ -41,6 +41,7 @@ from megadyn.models.pointwise import (
     Fusions,
     add_norm,
     dropout_add,
+    fused_swiglu,
     norm,
     rope_qk,
     swiglu,
@@ -269,8 +270,10 @@ class MLP(nn.Module):
         if not self.swiglu:
             return self.linear_fc2(F.gelu(y, approximate=self.gelu_approximate))
         fn = self.fusions(self.fusions.swiglu, swiglu, y)
-        h = fn(y)
-        if not self.fusions.swiglu or self.keep_fc2_input:
+        if fn is swiglu:  # not compiled: the plain ops
+            return self.linear_fc2(swiglu(y))
+        h = fused_swiglu(y, fn)  # the one-pass backward (swiglu_kernels.py)
+        if self.keep_fc2_input:
             return self.linear_fc2(h)
         with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h, 16-bit or fp8
             return self.linear_fc2(h)
