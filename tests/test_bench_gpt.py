@@ -12,7 +12,7 @@ TINY = "--layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --mbs 2 --gbs 4".s
 FIELDS = [
     "framework", "tp", "pp", "vpp", "dp", "distopt_instances", "precision_aware_optimizer", "sharding_strategy", "sp", "cp", "cp_comm_type",
     "cp_placement", "cp_block_size", "documents", "cuda_graph", "tp_comm_overlap", "tp_comm_overlap_transport", "gemm_sm_carveout", "fp8", "attn",
-    "attention_backend", "recompute", "keep_fc2_input", "cross_entropy_chunks", "layers", "hidden", "seq", "mbs", "gbs", "iter_s",
+    "attention_backend", "recompute", "keep_fc2_input", "keep_norm_outputs", "cross_entropy_chunks", "layers", "hidden", "seq", "mbs", "gbs", "iter_s",
     "iters_s", "warmup_iter_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "peak_mem_gib", "resident_mem_gib",
     "arch", "pointwise_fusion", "heads", "query_groups", "ffn", "vocab", "params", "flops_per_iter",
 ]  # fmt: skip

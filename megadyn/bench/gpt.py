@@ -336,6 +336,7 @@ def record(
         attention_backend=a.attention_backend,
         recompute=a.recompute,
         keep_fc2_input=a.keep_fc2_input,
+        keep_norm_outputs=a.keep_norm_outputs,
         cross_entropy_chunks=a.cross_entropy_chunks or 1,
         layers=n_layers,
         hidden=h,

@@ -87,6 +87,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "instead of computing it again in the backward (more memory, one pass less)",
     )
     g.add_argument(
+        "--keep-norm-outputs",
+        action="store_true",
+        help="under --pointwise-fusion: linear_qkv and linear_fc1 keep their inputs (the norms' "
+        "outputs) instead of computing them again in the backward (more memory, two passes less)",
+    )
+    g.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",
         help="always on here (the reference script's job); accepted as pretrain_gpt.py takes it",
@@ -143,6 +149,7 @@ def pretrain_argv(a: argparse.Namespace) -> list[str]:
         ("--pointwise-fusion", a.pointwise_fusion),
         ("--no-fp8-weight-cache", getattr(a, "no_fp8_weight_cache", False)),
         ("--keep-fc2-input", a.keep_fc2_input),
+        ("--keep-norm-outputs", a.keep_norm_outputs),
         *((flag, getattr(a, _dest(flag))) for flag in PART_FLAGS),
     ):
         argv += [flag] if on else []

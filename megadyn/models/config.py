@@ -99,6 +99,13 @@ class GPTConfig:
     tensorwise: its x^T in fp8) from the forward (--keep-fc2-input). By default it keeps
     nothing and the backward computes it again from fc1's output, which SwiGLU's backward keeps
     anyway: less memory (a [tokens, ffn/tp] tensor a layer), one more pointwise pass."""
+    keep_norm_outputs: bool = False
+    """Under --pointwise-fusion with the norm compiled: linear_qkv and linear_fc1 keep their
+    inputs (the norms' outputs) from the forward (--keep-norm-outputs), and the pre-MLP norm
+    joins the attention's residual add in one region. By default they keep nothing and the
+    backward computes the norms again from their inputs, which the norms' backwards keep:
+    less memory (two [tokens, hidden] tensors a layer; none under sequence parallelism, where
+    the layers keep their gathered inputs anyway), two more pointwise passes."""
     apply_rope_fusion: bool = True
     """Under --pointwise-fusion: the rotary embeddings of queries and keys compiled
     (--no-rope-fusion: eager)."""

@@ -73,15 +73,20 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, n, s, d]; cos, sin [s, d] or [b, 1, s, d] (halves rotated, as Megatron and Llama)."""
+    """x [b, n, s, d] (or [b, g, n/g, s, d]); cos, sin [s, d] or [b, 1, s, d] broadcast over
+    x's heads (halves rotated, as Megatron and Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
 
 
 def rope_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embeddings of queries [b, n, s, d] and keys [b, g, s, d]."""
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    """Rotary embeddings of queries [b, n, s, d] or [b, g, n/g, s, d] (heads by key group) and
+    keys [b, g, s, d]."""
+    q_cos, q_sin = (cos, sin)
+    if q.dim() == 5 and cos.dim() == 4:  # per-sample tables [b, 1, s, d]
+        q_cos, q_sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return apply_rope(q, q_cos, q_sin), apply_rope(k, cos, sin)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -217,11 +217,14 @@ class SelfAttention(nn.Module):
         d = self.cfg.head_dim
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, d)
         # views; the backward writes the three gradients into one tensor (qkv_split.py)
-        q, k, v = split_qkv(qkv, self.q_per_group)
-        q, k, v = q.reshape(s, b, self.heads, d), k.squeeze(3), v.squeeze(3)  # k, v [s, b, g, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        if rope is not None:
-            q, k = self.fusions(self.fusions.rope, rope_qk, q)(q, k, *rope)
+        q, k, v = split_qkv(qkv, self.q_per_group)  # q [s, b, g, q, d], k and v [s, b, g, 1, d]
+        k, v = (t.squeeze(3).permute(1, 2, 0, 3) for t in (k, v))  # [b, g, s, d]
+        if rope is None:
+            q = q.reshape(s, b, self.heads, d).permute(1, 2, 0, 3)  # a copy: [b, n, s, d]
+        else:  # RoPE writes q anew in qkv's order, where its heads merge as a view: no copy
+            rope_fn = self.fusions(self.fusions.rope, rope_qk, q)
+            q, k = rope_fn(q.permute(1, 2, 3, 0, 4), k, *rope)  # q [b, g, q, s, d]
+            q = q.flatten(1, 2)  # [b, n, s, d]
         if recompute_core and torch.is_grad_enabled():
             out = recompute(self.core_attention, q, k, v, documents, tracker=self.tracker)
         else:
@@ -298,7 +301,9 @@ class TransformerLayer(nn.Module):
         self.fusions = Fusions.from_config(cfg)
         # the norms' outputs, linear_qkv's and linear_fc1's inputs, computed again in the
         # backward; under sequence parallelism the layers keep the gathered inputs instead
-        self.recompute_normed = self.fusions.norm and not sequence_parallel
+        self.recompute_normed = (
+            self.fusions.norm and not sequence_parallel and not cfg.keep_norm_outputs
+        )
         self.input_layernorm = Norm(cfg, sequence_parallel, dtype, device)
         self.self_attention = SelfAttention(
             cfg, tp_group, sequence_parallel, tracker, dtype, device, cp_group

@@ -139,6 +139,7 @@ def _add_network_args(p: argparse.ArgumentParser) -> None:
     m("--no-bias-swiglu-fusion", "bias_swiglu_fusion", action="store_false")
     m("--no-rope-fusion", "apply_rope_fusion", action="store_false")
     m("--keep-fc2-input", action="store_true")
+    m("--keep-norm-outputs", action="store_true")
     m("--no-bias-dropout-fusion", "bias_dropout_fusion", action="store_false")
     extra = m.group.add_argument  # flags that set model fields indirectly (see _to_config)
     extra("--group-query-attention", dest="flag.gqa", action="store_true", help="Use GQA.")

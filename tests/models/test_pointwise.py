@@ -63,12 +63,11 @@ def rand(*shape, dtype=torch.float32, seed=0):
 
 
 def qk_views(dtype, s=7, b=2, groups=2, q_per_group=2, d=16):
-    """Queries [b, n, s, d] and keys [b, g, s, d] as the model makes them: permuted views of
+    """Queries [b, g, q, s, d] and keys [b, g, s, d] as the model makes them: permuted views of
     one QKV tensor [s, b, g, q + 2, d]."""
     qkv = rand(s, b, groups, q_per_group + 2, d, dtype=dtype, seed=3)
     q, k, _ = torch.split(qkv, [q_per_group, 1, 1], dim=3)
-    q = q.reshape(s, b, groups * q_per_group, d).permute(1, 2, 0, 3)
-    return qkv, q, k.squeeze(3).permute(1, 2, 0, 3)
+    return qkv, q.permute(1, 2, 3, 0, 4), k.squeeze(3).permute(1, 2, 0, 3)
 
 
 def cases(dtype):
@@ -108,6 +107,9 @@ def test_each_compiled_region_matches_its_plain_function(dtype):
         want, want_grads, want_strides = outputs_and_grads(fn, leaves, args)
         got, got_grads, got_strides = outputs_and_grads(compiled(fn), leaves, args)
         assert got_strides == want_strides, name  # e.g. RoPE's [b, n, s, d] views of QKV
+        if name.startswith("rope"):  # the queries' heads merge without a copy
+            b, g, q, s, d = got[0].shape
+            assert got[0].view(b, g * q, s, d).data_ptr() == got[0].data_ptr()
         for a, e in zip(got + got_grads, want + want_grads):
             torch.testing.assert_close(a, e, **tol, msg=name)
 
@@ -131,6 +133,13 @@ def test_the_plain_functions_compute_what_they_say():
     for got, t in zip(rope_qk(q, k, cos, sin), (q, k)):
         turned = torch.complex(t[..., :8], t[..., 8:]) * angle
         torch.testing.assert_close(got, torch.cat([turned.real, turned.imag], -1))
+    # queries by key group [b, g, q, s, d] take per-sample tables [b, 1, s, d] as [b, n, s, d] do
+    positions = torch.tensor([[3, 2, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]])
+    cos, sin = rope_tables(7, 16, 10000.0, "cpu", torch.float64, positions)
+    by_group, keys = rope_qk(q, k, cos, sin)
+    heads = q.reshape(2, 4, 7, 16)
+    torch.testing.assert_close(by_group.flatten(1, 2), rope_qk(heads, k, cos, sin)[0])
+    torch.testing.assert_close(keys[1], rope_qk(q[1:], k[1:], cos[1:], sin[1:])[1][0])
 
 
 def saved_bytes(fn, *args) -> int:
@@ -166,7 +175,8 @@ def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(mo
     checkpoint decides and nothing is replaced; linear_proj keeps its input under selective
     recomputation, which drops the attention's output, and with the math kernel, which does
     not keep it. With hidden dropout the norm takes the sum as its input as without it.
-    --keep-fc2-input keeps fc2's input alone."""
+    --keep-fc2-input keeps fc2's input alone, --keep-norm-outputs linear_qkv's and linear_fc1's
+    (where the pre-MLP norm joins the residual add: the same step to the bit)."""
     import megadyn.core.recomputed as scope
     import megadyn.models.transformer as transformer
 
@@ -200,6 +210,10 @@ def test_the_linear_layers_compute_their_inputs_again_instead_of_keeping_them(mo
     keep_fc2 = model_step(cfg.with_(keep_fc2_input=True), COMPILED)
     assert replaced == [qkv, proj, fc1] * cfg.num_layers
     assert_same_step(recomputed, keep_fc2, 0.0, "fc2 kept")
+    replaced.clear()
+    keep_normed = model_step(cfg.with_(keep_norm_outputs=True), COMPILED)
+    assert replaced == [proj, fc2] * cfg.num_layers
+    assert_same_step(recomputed, keep_normed, 0.0, "norm outputs kept")
     monkeypatch.setattr(transformer, "recomputed_in_backward", lambda *a: contextlib.nullcontext())
     assert_same_step(recomputed, model_step(cfg, COMPILED), 0.0, "kept")
     assert_same_step(selective, model_step(cfg, COMPILED, RecomputeConfig("selective")), 0.0)

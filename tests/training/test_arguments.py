@@ -25,7 +25,7 @@ FLAGS = [
     "--cross-entropy-loss-fusion", "--cuda-graph-warmup-steps",
     "--enable-cuda-graph", "--no-cross-entropy-loss-fusion",
     "--no-gradient-accumulation-fusion", "--pointwise-fusion", "--no-norm-fusion",
-    "--no-bias-swiglu-fusion", "--no-rope-fusion", "--keep-fc2-input", "--cross-entropy-chunks", "--no-fp8-weight-cache", "--no-bias-dropout-fusion",
+    "--no-bias-swiglu-fusion", "--no-rope-fusion", "--keep-fc2-input", "--keep-norm-outputs", "--cross-entropy-chunks", "--no-fp8-weight-cache", "--no-bias-dropout-fusion",
     "--bf16", "--ckpt-keep-last", "--ckpt-step", "--clip-grad", "--data-cache-path", "--data-parallel-sharding-strategy", "--data-path", "--deterministic-mode",
     "--disable-bias-linear", "--distributed-timeout-minutes", "--elastic-control-interval", "--elastic-control-port", "--elastic-initial-members",
     "--no-elastic-fork-server", "--elastic-heartbeat-timeout", "--elastic-layout", "--elastic-recovery", "--exit-signal-handler", "--elastic-min-members", "--elastic-reshard-chunk-mb",
@@ -132,6 +132,7 @@ def test_megatron_style_command():
         ("", dict(pointwise_fusion=False, norm_fusion=True, apply_rope_fusion=True)),
         ("", dict(keep_fc2_input=False)),
         ("--pointwise-fusion --keep-fc2-input", dict(pointwise_fusion=True, keep_fc2_input=True)),
+        ("--keep-norm-outputs", dict(keep_norm_outputs=True)),
         ("", dict(cross_entropy_chunks=1, fp8_weight_cache=True)),
         (
             "--cross-entropy-chunks 4 --no-fp8-weight-cache",
