@@ -64,7 +64,10 @@ def import_beside(*modules: str) -> None:
             except ImportError:
                 pass
 
-    threading.Thread(target=run, name="megadyn-imports", daemon=True).start()
+    # not a daemon: the interpreter's exit waits for it. A daemon thread still importing when
+    # a short job ends is stopped inside C++ code at finalization, which aborts the process
+    # ("terminate called without an active exception") after a successful run
+    threading.Thread(target=run, name="megadyn-imports").start()
 
 
 def restarted_from(started: float) -> None:
