@@ -266,6 +266,30 @@ def test_cross_entropy_chunks_through_the_cli():
     assert code == 2 and "--cross-entropy-chunks must be >= 1" in out and "Traceback" not in out
 
 
+def test_keep_flags_of_the_fused_llama_through_the_cli():
+    """`python pretrain_gpt.py --pointwise-fusion` on a Llama as a user runs it, with
+    --keep-norm-outputs and --keep-fc2-input (the linear layers keep their inputs instead of
+    computing them again; the pre-MLP norm joins the residual add): the same losses."""
+    llama = [
+        *COMMON,
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--pointwise-fusion",
+    ]
+
+    def losses(*flags):
+        code, out = cli("pretrain_gpt.py", *llama, *flags)
+        assert code == 0, out
+        return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
+
+    recomputed, kept = losses(), losses("--keep-norm-outputs", "--keep-fc2-input")
+    assert len(recomputed) == 6 and kept == pytest.approx(recomputed, rel=1e-6)
+
+
 def test_sharded_gradients_and_loss_chunks_under_torchrun(tmp_path):
     """As an operator runs them, `torchrun --nproc-per-node 2 pretrain_gpt.py` at dp 2: a run
     with --data-parallel-sharding-strategy optim_grads and --cross-entropy-chunks that saves;
