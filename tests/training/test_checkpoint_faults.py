@@ -266,10 +266,12 @@ def test_cross_entropy_chunks_through_the_cli():
     assert code == 2 and "--cross-entropy-chunks must be >= 1" in out and "Traceback" not in out
 
 
-def test_keep_flags_of_the_fused_llama_through_the_cli():
+def test_keep_flags_of_the_fused_llama_through_the_cli(tmp_path):
     """`python pretrain_gpt.py --pointwise-fusion` on a Llama as a user runs it, with
     --keep-norm-outputs and --keep-fc2-input (the linear layers keep their inputs instead of
-    computing them again; the pre-MLP norm joins the residual add): the same losses."""
+    computing them again; the pre-MLP norm joins the residual add): the same losses; and an
+    operator who saved with the flags and resumes without them (memory ran short) trains
+    iterations 4-6 to those losses too."""
     llama = [
         *COMMON,
         "--swiglu",
@@ -286,8 +288,12 @@ def test_keep_flags_of_the_fused_llama_through_the_cli():
         assert code == 0, out
         return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
 
-    recomputed, kept = losses(), losses("--keep-norm-outputs", "--keep-fc2-input")
+    save = str(tmp_path / "ckpt")
+    keep = ["--keep-norm-outputs", "--keep-fc2-input"]
+    recomputed, kept = losses(), losses(*keep, "--save", save, "--save-interval", "3")
     assert len(recomputed) == 6 and kept == pytest.approx(recomputed, rel=1e-6)
+    resumed = losses("--load", save, "--ckpt-step", "3")
+    assert resumed == pytest.approx(kept[3:], rel=1e-6)
 
 
 def test_sharded_gradients_and_loss_chunks_under_torchrun(tmp_path):
