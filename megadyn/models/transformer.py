@@ -276,9 +276,8 @@ class MLP(nn.Module):
         if fn is swiglu:  # not compiled: the plain ops
             return self.linear_fc2(swiglu(y))
         h = fused_swiglu(y, fn)  # the one-pass backward (swiglu_kernels.py)
-        if self.keep_fc2_input:
-            return self.linear_fc2(h)
-        with recomputed_in_backward(h, fn, y):  # fc2 keeps no copy of h, 16-bit or fp8
+        # fc2 keeps no copy of h, 16-bit or fp8, unless --keep-fc2-input
+        with input_recomputed(h, None if self.keep_fc2_input else (fn, y)):
             return self.linear_fc2(h)
 
 

@@ -154,7 +154,7 @@ class StagedReduction:
         shards. Every bucket is reduced (one with no gradient this micro batch as zeros), so all
         ranks run the same collectives; all are launched before the first wait. Buckets
         reduced during the backward are not reduced again (unless gradients came after)."""
-        self._queued, self._reducing = False, None
+        self.reset()
         pending = [b for b in self.buckets if not b.reduced or b.staging is not None]
         for bucket in pending:
             bucket.stage()
