@@ -60,6 +60,7 @@ class Embedding(nn.Module):
             cfg.hidden_size,
             tp_group,
             sequence_parallel=sequence_parallel,
+            grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
             dtype=dtype,
             device=device,
         )

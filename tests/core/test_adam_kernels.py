@@ -69,6 +69,28 @@ def test_reference_follows_torch_adamw_on_an_fp32_main_copy():
     assert not torch.equal(join(weight, remainder), main)  # it moved
 
 
+def test_the_clip_taken_in_the_update_equals_the_gradients_scaled_first():
+    """grad_scale gives the bits of the gradients scaled in place before the update (what
+    clip_grads did as a pass of its own), and 1.0 those of the unscaled update."""
+    main, weight, remainder, grads = states(5_000, 3)
+    scaled = [(weight.clone(), remainder.clone(), torch.zeros_like(main), torch.zeros_like(main))
+              for _ in range(2)]  # fmt: skip
+    for step, grad in enumerate(grads, start=1):
+        first = grad.clone()
+        torch._foreach_mul_([first], 0.3)
+        reference_(*scaled[0][:2], first, *scaled[0][2:], step=step, **HYPER)
+        reference_(*scaled[1][:2], grad, *scaled[1][2:], step=step, grad_scale=0.3, **HYPER)
+    for a, b in zip(*scaled):
+        assert torch.equal(a, b)
+    plain = (weight.clone(), remainder.clone(), torch.zeros_like(main), torch.zeros_like(main))
+    ones = (weight.clone(), remainder.clone(), torch.zeros_like(main), torch.zeros_like(main))
+    for step, grad in enumerate(grads, start=1):
+        reference_(*plain[:2], grad, *plain[2:], step=step, **HYPER)
+        reference_(*ones[:2], grad, *ones[2:], step=step, grad_scale=1.0, **HYPER)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ones))
+    assert not torch.equal(plain[0], scaled[0][0])  # the clip changed the update
+
+
 def kernel_body(rank, world):
     from megadyn.core.optimizer import adam_kernels
 
@@ -77,8 +99,10 @@ def kernel_body(rank, world):
     ref = (weight.clone(), remainder.clone(), torch.zeros(n), torch.zeros(n))
     got = (weight.clone(), remainder.clone(), torch.zeros(n), torch.zeros(n))
     for step, grad in enumerate(grads, start=1):
-        reference_(ref[0], ref[1], grad, ref[2], ref[3], step=step, **HYPER)
-        adam_kernels._launch(got[0], got[1], grad, got[2], got[3], step=step, **HYPER)
+        scale = 0.37 if step == 2 else 1.0  # a clipped step
+        reference_(ref[0], ref[1], grad, ref[2], ref[3], step=step, grad_scale=scale, **HYPER)
+        adam_kernels._launch(got[0], got[1], grad, got[2], got[3], step=step, grad_scale=scale,
+                             **HYPER)  # fmt: skip
         for a, b in zip(ref, got):
             assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
@@ -98,21 +122,25 @@ def test_refuses_tensors_of_other_lengths():
 
 def one_pass_body(rank, world):
     """The optimizer's CUDA branch (forced on CPU tensors, where adamw_remainders_ runs its
-    reference): each remainder shard takes the one-pass update at the optimizer's step count,
-    the fp32 param takes torch's fused update, and the step counters advance."""
+    reference): each remainder shard takes the one-pass update at the optimizer's step count
+    and clip, the fp32 param takes torch's fused update, and the step counters advance."""
     from megadyn.core.groups import ParallelGroups
     from megadyn.core.layout import Layout
+    from megadyn.core.optimizer.clip_grads import clip_coefficient
     from megadyn.core.optimizer.shards import STATE_KEYS
     from tests.core.test_precision_aware_optimizer import backward, wrap
 
     groups = ParallelGroups.build(Layout(dp=1), range(1))
-    ddp, opt = wrap(groups, flag=True)
+    ddp, opt = wrap(groups, flag=True, clip_grad=0.05)
     opt._fused = True
     for step in range(1, 4):
         opt.zero_grad()
         backward(ddp, groups, seed=step)
         before = [{k: v.clone() for k, v in opt.param_state(p).items()} for p in opt.params]
-        assert opt.step().applied
+        result = opt.step()
+        assert result.applied
+        clip = clip_coefficient(opt.config.clip_grad, result.grad_norm)
+        assert clip < 1.0  # the update takes the clip (the gradients stay as reduced)
         for p, state in zip(opt.params, before):
             after = opt.param_state(p)
             if p.dtype != torch.bfloat16:
@@ -123,7 +151,7 @@ def one_pass_body(rank, world):
             grad = p.main_grad.float().reshape(-1)
             decay = 0.1 if p.dim() > 1 else 0.0
             reference_(weight, remainder, grad, m, v, step=step, lr=1e-2, beta1=0.9,
-                       beta2=0.999, eps=1e-8, weight_decay=decay)  # fmt: skip
+                       beta2=0.999, eps=1e-8, weight_decay=decay, grad_scale=clip)  # fmt: skip
             want = {"main": join(weight, remainder), "exp_avg": m, "exp_avg_sq": v}
             for key in STATE_KEYS:
                 assert torch.equal(after[key].reshape(-1), want[key]), (step, key)

@@ -5,7 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megadyn.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megadyn.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megadyn.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -40,6 +44,37 @@ def test_weight_grad_accumulates_into_main_grad(device):
         torch.testing.assert_close(x.grad, x_plain.grad)
         if fused.bias is not None:
             torch.testing.assert_close(fused.bias.main_grad, plain.bias.grad.float(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding_grad_accumulates_rows_into_main_grad(device):
+    """An untied table's gradient goes into its fp32 main_grad row by row, repeated ids summed
+    and two micro batches accumulated: the fp32 sum of the output gradient's rows, to the bit
+    (small integers, so every order of the sums gives the same bits). A tied table (the
+    output layer is its second user) keeps autograd's gradient."""
+    rows, h = 11, 8
+    emb = VocabParallelEmbedding(
+        rows, rows, h, None, grad_accumulation_fusion=True, dtype=torch.bfloat16, device=device
+    )
+    torch.nn.init.normal_(emb.weight)
+    emb.weight.main_grad = torch.zeros(rows, h, device=device)
+    gen = torch.Generator().manual_seed(0)
+    want = torch.zeros(rows, h, dtype=torch.float64)
+    for _ in range(2):
+        ids = torch.randint(0, 4, (3, 5), generator=gen)  # [b, s], ids repeated
+        g = torch.randint(-8, 9, (5, 3, h), generator=gen).to(torch.bfloat16)  # [s, b, h]
+        y = emb(ids.to(device))
+        torch.testing.assert_close(y, emb.weight[ids.t().to(device)], rtol=0, atol=0)
+        y.backward(g.to(device))
+        assert emb.weight.grad_added_to_main_grad
+        emb.weight.grad, emb.weight.grad_added_to_main_grad = None, False  # the DDP hook's part
+        want.index_add_(0, ids.t().reshape(-1), g.reshape(-1, h).double())
+    torch.testing.assert_close(emb.weight.main_grad.cpu(), want.float(), rtol=0, atol=0)
+    emb.weight.shared_embedding = True
+    emb(ids.to(device)).backward(g.to(device))
+    assert not getattr(emb.weight, "grad_added_to_main_grad", False)
+    dense = torch.zeros(rows, h).index_add_(0, ids.t().reshape(-1), g.reshape(-1, h).float())
+    torch.testing.assert_close(emb.weight.grad.float().cpu(), dense, rtol=0, atol=0)
 
 
 def test_cross_entropy_matches_torch():

@@ -1,7 +1,8 @@
 """AdamW on main params kept as remainders, in one pass (--use-precision-aware-optimizer).
 
     adamw_remainders_(weight, remainder, grad, exp_avg, exp_avg_sq,
-                      lr=..., beta1=..., beta2=..., eps=..., weight_decay=..., step=t)
+                      lr=..., beta1=..., beta2=..., eps=..., weight_decay=..., step=t,
+                      grad_scale=c)
 
 The fp32 main value of each element is its bf16 model weight (the high 16 bits, rounded) joined
 with an int16 remainder (the low 16 bits, signed): remainders.py, whose int32 form the kernel
@@ -9,8 +10,11 @@ computes. One update reads the weight,
 the remainder, the fp32 gradient and both fp32 moments once and writes the weight, the
 remainder and the moments: 28 bytes an element, where an fp32 main copy updated by torch's
 fused AdamW and then cast into the model weight moves 34. The update is torch's AdamW, op for
-op in fp32 (decoupled weight decay, then the moments, then the bias-corrected step):
+op in fp32 (decoupled weight decay, then the moments, then the bias-corrected step), on the
+gradient times `grad_scale` (the clip's coefficient; 1.0 leaves it as it is), so the clip
+costs no pass of its own over the gradients:
 
+    g  = g * grad_scale
     p  = p * (1 - lr * weight_decay)
     m  = m + (1 - beta1) * (g - m)
     v  = v * beta2 + (1 - beta2) * g * g
@@ -44,9 +48,10 @@ def _factors(lr, beta1, beta2, weight_decay, step) -> tuple[float, float, float]
 
 @torch.no_grad()
 def reference_(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-               weight_decay, step) -> None:  # fmt: skip
+               weight_decay, step, grad_scale=1.0) -> None:  # fmt: skip
     """The update in torch operations, fp32 op by op (the kernel's arithmetic)."""
     decay, step_size, bc2_sqrt = _factors(lr, beta1, beta2, weight_decay, step)
+    grad = grad * grad_scale
     p = join(weight, remainder) * decay
     exp_avg.add_((grad - exp_avg) * (1.0 - beta1))
     exp_avg_sq.mul_(beta2).add_(grad * grad * (1.0 - beta2))
@@ -58,15 +63,17 @@ def reference_(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2
 
 
 def adamw_remainders_(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-                      weight_decay, step) -> None:  # fmt: skip
+                      weight_decay, step, grad_scale=1.0) -> None:  # fmt: skip
     """One AdamW step of flat contiguous tensors in place: `weight` bf16, `remainder` int16,
-    `grad`, `exp_avg`, `exp_avg_sq` fp32, all of one length; `step` counts from 1."""
+    `grad` (read, times `grad_scale`), `exp_avg`, `exp_avg_sq` fp32, all of one length;
+    `step` counts from 1."""
     n = weight.numel()
     if not all(
         t.numel() == n and t.is_contiguous() for t in (remainder, grad, exp_avg, exp_avg_sq)
     ):
         raise ValueError("adamw_remainders_ takes flat contiguous tensors of one length")
-    kwargs = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    kwargs = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                  grad_scale=grad_scale)  # fmt: skip
     if not weight.is_cuda:
         reference_(weight, remainder, grad, exp_avg, exp_avg_sq, **kwargs)
         return
@@ -74,7 +81,7 @@ def adamw_remainders_(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1
 
 
 def _launch(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
-            step) -> None:  # fmt: skip
+            step, grad_scale=1.0) -> None:  # fmt: skip
     """The Triton kernel over the tensors (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
     import triton
 
@@ -83,7 +90,7 @@ def _launch(weight, remainder, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, e
         return
     decay, step_size, bc2_sqrt = _factors(lr, beta1, beta2, weight_decay, step)
     _kernel()[(triton.cdiv(n, BLOCK),)](
-        weight.view(torch.int16), remainder, grad, exp_avg, exp_avg_sq, n,
+        weight.view(torch.int16), remainder, grad, exp_avg, exp_avg_sq, n, grad_scale,
         decay, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps, BLOCK=BLOCK,
     )  # fmt: skip
 
@@ -96,7 +103,7 @@ def _kernel():
 
     @triton.jit
     def adamw_remainders_kernel(
-        w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, n,
+        w_ptr, r_ptr, g_ptr, m_ptr, v_ptr, n, grad_scale,
         decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
@@ -104,7 +111,7 @@ def _kernel():
         inside = offs < n
         high = tl.load(w_ptr + offs, mask=inside).to(tl.int32)
         low = tl.load(r_ptr + offs, mask=inside).to(tl.int32)
-        g = tl.load(g_ptr + offs, mask=inside)
+        g = tl.load(g_ptr + offs, mask=inside) * grad_scale
         m = tl.load(m_ptr + offs, mask=inside)
         v = tl.load(v_ptr + offs, mask=inside)
         p = ((high << 16) + low).to(tl.float32, bitcast=True) * decay

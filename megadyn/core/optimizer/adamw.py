@@ -66,9 +66,11 @@ def adamw_update(
     fused: bool,
     step: int,
     scratch_numel: int = SCRATCH_NUMEL,
+    grad_scale: float = 1.0,
 ) -> None:
-    """One AdamW step, the `step`-th (from 1), of every shard with its fp32 gradient (state
-    made at the first)."""
+    """One AdamW step, the `step`-th (from 1), of every shard with its fp32 gradient times
+    `grad_scale` (the clip: the one-pass kernel multiplies as it reads the gradient, the other
+    shards' gradients are scaled in place first); state made at the first step."""
     for shard in shards:
         if not shard.adam:  # as torch's AdamW does at a parameter's first step
             zeros = torch.zeros(shard.end - shard.start, device=shard.param.device)
@@ -77,22 +79,25 @@ def adamw_update(
     if fused:  # remainders on CUDA: the one-pass kernel
         one_pass = [(s, g) for s, g in pairs if s.remainder is not None]
         for shard, grad in one_pass:
-            _one_pass(shard, grad, hyper, step)
+            _one_pass(shard, grad, hyper, step, grad_scale)
         if one_pass:  # the counters as torch's update counts them: one launch, no host read
             torch._foreach_add_([s.adam["step"] for s, _ in one_pass], 1)
         pairs = [(s, g) for s, g in pairs if s.remainder is None]
+    if grad_scale != 1.0 and pairs:
+        torch._foreach_mul_([g for _, g in pairs], grad_scale)
     for decay in (True, False):
         pairs_of = [(s, g) for s, g in pairs if s.decay == decay]
         for chunk in _chunks(pairs_of, scratch_numel):
             _update(chunk, hyper, hyper.weight_decay if decay else 0.0, fused)
 
 
-def _one_pass(shard: ParamShard, grad: torch.Tensor, hyper: AdamHyper, step: int) -> None:
+def _one_pass(shard: ParamShard, grad: torch.Tensor, hyper: AdamHyper, step: int, grad_scale):
     adam = shard.adam
     adamw_remainders_(
         shard.model_slice(), shard.remainder, grad.contiguous(), adam["exp_avg"],
         adam["exp_avg_sq"], lr=hyper.lr, beta1=hyper.betas[0], beta2=hyper.betas[1],
         eps=hyper.eps, weight_decay=hyper.weight_decay if shard.decay else 0.0, step=step,
+        grad_scale=grad_scale,
     )  # fmt: skip
 
 

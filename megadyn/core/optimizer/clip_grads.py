@@ -50,9 +50,14 @@ def global_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence, device=Non
     return math.sqrt(float(total.item()))
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor that takes the global norm `total_norm` to at most `max_norm` (1.0: none)."""
+    return min(1.0, max_norm / (total_norm + 1.0e-6))
+
+
 def clip_grads(grads: Sequence[torch.Tensor], max_norm: float, total_norm: float) -> None:
     """Scale `grads` in place so that the global norm `total_norm` becomes at most `max_norm`."""
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    clip_coeff = clip_coefficient(max_norm, total_norm)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(list(grads), clip_coeff)
 

@@ -178,8 +178,9 @@ class MixedPrecisionOptimizer:
         ]
         grad_norm = stats.global_grad_norm(counted, self._stat_groups, device)
         self._stop_if_interrupted()  # the norm's host read waited for the gradients
+        clip = 1.0  # applied by the update as it reads the gradients (adamw.py)
         if self.config.clip_grad > 0:
-            stats.clip_grads(grads, self.config.clip_grad, grad_norm)
+            clip = stats.clip_coefficient(self.config.clip_grad, grad_norm)
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             num_zeros = stats.count_zeros(counted, self._stat_groups, device)
@@ -187,7 +188,7 @@ class MixedPrecisionOptimizer:
         hyper = AdamHyper(self._lr, self._weight_decay, betas, self.config.adam_eps)
         adamw_update(
             self.shards, grads, hyper, fused=self._fused, step=self._step_count + 1,
-            scratch_numel=self.scratch_numel,
+            scratch_numel=self.scratch_numel, grad_scale=clip,
         )  # fmt: skip
         self._step_count += 1
         self._copy_main_to_model()

@@ -47,7 +47,13 @@ from megadyn.core.tensor_parallel.sp_overlap import (
     reduce_scatter_start,
     row_parallel_overlap,
 )
-from megadyn.core.tensor_parallel.wgrad import add_to_main_grad, bias_grad, fuse_wgrad, weight_grad
+from megadyn.core.tensor_parallel.wgrad import (
+    add_to_main_grad,
+    bias_grad,
+    embedding_grad,
+    fuse_wgrad,
+    weight_grad,
+)
 
 
 class _LinearAsyncReduce(torch.autograd.Function):
@@ -296,11 +302,37 @@ def vocab_range(vocab_size: int, padded_vocab_size: int, tp_rank: int, tp: int) 
     return start, end
 
 
+class _LookupIntoMainGrad(torch.autograd.Function):
+    """y = W[ids]; the backward adds each token's output gradient into its row of W's
+    `main_grad` (wgrad.embedding_grad)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight  # the parameter itself, for its main_grad
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        return None, embedding_grad(ctx.weight, ids, grad)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, fuse: bool) -> torch.Tensor:
+    """F.embedding(ids, weight); with `fuse` (wgrad.fuse_wgrad) its weight gradient goes
+    straight into `main_grad`."""
+    if fuse_wgrad(weight, fuse):
+        return _LookupIntoMainGrad.apply(ids, weight)
+    return F.embedding(ids, weight)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; rank r holds rows vocab_range(r).
 
     Input token ids [b, s]; output [s, b, h] (all-reduced), or [s/tp, b, h] reduce-scattered
-    under sequence parallelism.
+    under sequence parallelism. With `grad_accumulation_fusion` an untied table's gradient is
+    accumulated into its fp32 `main_grad` row by row (a tied one's has a second user, the
+    output layer, so autograd sums it first).
     """
 
     def __init__(
@@ -311,12 +343,14 @@ class VocabParallelEmbedding(nn.Module):
         tp_group,
         *,
         sequence_parallel: bool = False,
+        grad_accumulation_fusion: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
+        self.grad_accumulation_fusion = grad_accumulation_fusion
         tp, rank = group_size(tp_group), group_rank(tp_group)
         self.vocab_start, self.vocab_end = vocab_range(vocab_size, padded_vocab_size, rank, tp)
         if self.vocab_end <= self.vocab_start:
@@ -329,11 +363,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.t()  # [s, b]
+        shared = getattr(self.weight, "shared_embedding", False)
+        fuse = self.grad_accumulation_fusion and not shared
         if group_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight, fuse)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        y = F.embedding(local_ids, self.weight)  # [s, b, h] partial
+        y = embedding(local_ids, self.weight, fuse)  # [s, b, h] partial
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(y, self.tp_group)

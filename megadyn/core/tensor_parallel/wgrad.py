@@ -5,8 +5,8 @@ buffer), its weight-gradient GEMM adds into `main_grad` in fp32 (cuBLAS with bet
 fp32 output) instead of writing a bf16 gradient that the DDP hook then reads and adds. The
 layer marks `param.grad_added_to_main_grad` and hands autograd an unread placeholder, so the
 DDP hook still fires (and skips its add). A fused layer's bias gradient (the column sums of
-the output gradient) goes into the bias's `main_grad` the same way, summed in fp32 on CUDA.
-Used by layers.py.
+the output gradient) goes into the bias's `main_grad` the same way, summed in fp32 on CUDA,
+and an untied embedding table's gradient row by row (`embedding_grad`). Used by layers.py.
 
 Layers and the DDP hook reach a parameter's `main_grad` through `main_grad_of(param)`: under
 --data-parallel-sharding-strategy optim_grads a parameter has no persistent `main_grad` but a
@@ -89,6 +89,17 @@ def bias_grad(bias, g2d: torch.Tensor, fuse: bool) -> torch.Tensor:
     ones = _ones(g2d.shape[0], g2d.dtype, g2d.device)
     torch.addmm(main_grad, ones, g2d, out_dtype=main_grad.dtype, out=main_grad)
     return _added(bias)
+
+
+def embedding_grad(weight, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d loss / d W of the lookup W[ids] (g [..., h], the output gradient), added into
+    `weight.main_grad` row by row: the [tokens, h] rows widened and summed into their rows by
+    one sorted (deterministic) accumulation, where a dense [rows, h] gradient in W's dtype
+    would be written, then read and added by the DDP hook. An unread placeholder returned."""
+    main_grad = main_grad_of(weight)
+    rows = g.reshape(-1, g.shape[-1]).to(main_grad.dtype)
+    main_grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
+    return _added(weight)
 
 
 _ONES: dict[tuple, list[torch.Tensor]] = {}
