@@ -5,10 +5,10 @@ Two simulated hosts of 2 gloo workers each (test_lost_host.py's job: tp 2 x dp 2
 --host-timeout 2, --max-restarts 0) with --elastic-heartbeat-timeout 3. At iteration 2 the
 coordinator is SIGKILLed; it stays down for longer than both timeouts and at least 3 steps, then
 a new coordinator starts on the same port (an empty store). Once every agent and worker said
-that it is back, and SETTLE_S later, rank 3 (on host b) is SIGKILLed:
+that it is back, and SETTLE_S later, rank 2 (on host b) is SIGKILLed:
 - iterations advance while the coordinator is down, and nobody is killed or declared lost for
   it: each process says once that it is down and once that it is back;
-- the survivors recover in-process from rank 3's failure, the job exits 0;
+- the survivors recover in-process from rank 2's failure, the job exits 0;
 - every loss equals an uninterrupted run's within 1e-5 (at most the interrupted step twice) and
   every sample is drawn once.
 """
@@ -56,8 +56,10 @@ def test_the_job_trains_through_a_coordinator_restart(tmp_path, reference):  # n
         state["up_at"] = state["iteration"]
         servers.append(coordinator(port))
 
-    def kill_rank_3(agents) -> None:
-        pid = next(p for a in agents for p in workers_of(a.pid) if _env(p).get("RANK") == "3")
+    def kill_rank_2(agents) -> None:
+        # not rank 3, the rank that logs the iterations: killed between a step that the
+        # survivors complete and its line, it takes that line with it (docs/FAULTS.md)
+        pid = next(p for a in agents for p in workers_of(a.pid) if _env(p).get("RANK") == "2")
         time.sleep(SETTLE_S)
         deadline = time.monotonic() + 10  # its record of the step logged last is written
         while not _recorded(tmp_path / "out" / "rank3.jsonl", state["iteration"]):
@@ -77,7 +79,7 @@ def test_the_job_trains_through_a_coordinator_restart(tmp_path, reference):  # n
         state["agents_back"] += AGENT_BACK.format(port=port) in line
         if len(state["back"]) == 4 and state["agents_back"] == 2 and not state["killed_worker"]:
             state["killed_worker"] = True
-            threading.Thread(target=kill_rank_3, args=(agents,)).start()
+            threading.Thread(target=kill_rank_2, args=(agents,)).start()
 
     env = {"RECOVER_TEST_STEP_S": "0.5"}
     flags = ["--elastic-heartbeat-timeout", "3"]
