@@ -60,7 +60,11 @@ class Embedding(nn.Module):
             cfg.hidden_size,
             tp_group,
             sequence_parallel=sequence_parallel,
-            grad_accumulation_fusion=cfg.gradient_accumulation_fusion,
+            # untied only: a tied table's gradient has a second term, the output layer's, which
+            # autograd sums with the lookup's before the DDP hook adds the sum
+            grad_accumulation_fusion=(
+                cfg.gradient_accumulation_fusion and cfg.untie_embeddings_and_output_weights
+            ),
             dtype=dtype,
             device=device,
         )

@@ -66,6 +66,17 @@ def test_the_weight_gradient_goes_into_main_grad():
     assert_same(whole, chunked, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])  # tied, untied output weight
+def test_fused_gradients_into_main_grad_equal_autograd_s(variant):
+    """Every gradient a bf16 model adds into its fp32 main_grad itself (the linear layers', an
+    untied embedding table's row by row) equals autograd's; a tied table's two terms (lookup
+    and output layer) are summed by autograd, none is lost. bf16 gradients: to bf16 rounding."""
+    cfg = VARIANTS[variant].with_(params_dtype=torch.bfloat16)
+    fused = step(cfg, main_grad=True)
+    plain = step(cfg.with_(gradient_accumulation_fusion=False), main_grad=True)
+    assert_same(plain, fused, rtol=2e-2, atol=2e-3)
+
+
 def saved_shapes(cfg) -> list[tuple]:
     shapes = []
 

@@ -97,7 +97,7 @@ def test_the_job_trains_through_a_coordinator_restart(tmp_path, reference):  # n
     assert log.count(AGENT_BACK.format(port=port)) == 2, log[-3000:]
     assert "is lost" not in log and "sent no heartbeat" not in log, log[-3000:]
     ((it, old, new, left, *_),) = recoveries(log)
-    assert (old, left) == ("tp2xpp1xdp2", "3"), log[-3000:]
+    assert (old, left) == ("tp2xpp1xdp2", "2"), log[-3000:]
     assert int(it) > state["up_at"], (it, state)
     check_losses(log, reference)
     check_samples(out)

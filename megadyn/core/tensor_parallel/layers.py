@@ -330,9 +330,9 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; rank r holds rows vocab_range(r).
 
     Input token ids [b, s]; output [s, b, h] (all-reduced), or [s/tp, b, h] reduce-scattered
-    under sequence parallelism. With `grad_accumulation_fusion` an untied table's gradient is
-    accumulated into its fp32 `main_grad` row by row (a tied one's has a second user, the
-    output layer, so autograd sums it first).
+    under sequence parallelism. With `grad_accumulation_fusion` the table's gradient is
+    accumulated into its fp32 `main_grad` row by row: only for a table that nothing else uses
+    (not one tied to the output layer, whose gradient term autograd must sum with this one).
     """
 
     def __init__(
@@ -363,8 +363,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.t()  # [s, b]
-        shared = getattr(self.weight, "shared_embedding", False)
-        fuse = self.grad_accumulation_fusion and not shared
+        fuse = self.grad_accumulation_fusion
         if group_size(self.tp_group) == 1:
             return embedding(ids, self.weight, fuse)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
