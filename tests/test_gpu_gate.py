@@ -175,6 +175,15 @@ def test_previous_check_is_the_median_of_the_last_lines_of_the_same_device():
     h200 = report.previous_check(lines, "NVIDIA H200", "live_change")
     assert h200["lines"] == 1 and h200["changes"][0]["total_s"] == 0.3
     assert report.previous_check(lines, "cpu", "live_change") is None
+    # a figure only the newest line holds has no median: the rule waits for three lines of it
+    older = [line(H100, [{"name": "live_change", "changes": [{"change": DP2_TP2, "total_s": t}]}])
+             for t in (0.4, 0.5)]  # fmt: skip
+    bar = report.previous_check(
+        older + [line(H100, [previous_entry(0.45, 0.38)])], H100, "live_change"
+    )
+    assert bar["changes"] == [{"change": DP2_TP2, "total_s": 0.45}]
+    now = [{"change": DP2_TP2, "total_s": 0.45, "first_step_extra_s": 0.48}]
+    assert report.live_change_problems(now, bar, "A100") == []
     # one fast run among slower ones does not set the bar (the 0.16 s tp 2 -> pp 2 of c041803)
     runs = [line(H100, [previous_entry(t, 1.0)]) for t in (0.218, 0.207, 0.164)]
     bar = report.previous_check(runs, H100, "live_change")

@@ -157,7 +157,8 @@ def device_of(nvidia_smi_names: str) -> dict[str, Any]:
 def previous_check(lines: list[str], device_name: str, check: str) -> dict[str, Any] | None:
     """The entry of `check` the regression rule compares with: from the last REGRESSION_LINES
     lines of docs/gpu-checks.jsonl from a device of the same name that ran it (lines that do
-    not parse are skipped), each change's seconds are the median over those lines."""
+    not parse are skipped), each change's seconds are the median over those lines (a figure that
+    not all of them hold is left out: one run is no median)."""
     entries = []
     for line in reversed(lines):
         try:
@@ -179,9 +180,12 @@ def previous_check(lines: list[str], device_name: str, check: str) -> dict[str, 
             for key, value in c.items():
                 if key != "change" and isinstance(value, (int, float)):
                     seconds.setdefault(c["change"], {}).setdefault(key, []).append(value)
-    changes = [
-        {"change": change, **{k: statistics.median(v) for k, v in keys.items()}}
-        for change, keys in seconds.items()
+    changes = [  # a key that some of these lines lack (a newer measure) has no median yet
+        {
+            "change": c,
+            **{k: statistics.median(v) for k, v in keys.items() if len(v) == len(entries)},
+        }
+        for c, keys in seconds.items()
     ]
     return {**entries[0], "changes": changes, "lines": len(entries)}
 
