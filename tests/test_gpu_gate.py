@@ -1,5 +1,5 @@
 """scripts/gpu/smoke.py, the GPU gate, without a GPU: its verdicts, table and JSON line on
-made-up inputs (scripts/gpu/gate_report.py), and every command line its checks would start
+made-up inputs (scripts/gpu/gate_report.py, gate_live_change.py), and every command line its checks would start
 parsed by pretrain_gpt.py's own parser (nothing is run)."""
 
 import json
@@ -14,6 +14,7 @@ import pytest
 GPU_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "gpu"
 sys.path.insert(0, str(GPU_SCRIPTS))
 import gate_checks  # noqa: E402
+import gate_live_change as live  # noqa: E402
 import gate_report as report  # noqa: E402
 import gate_runner  # noqa: E402
 from gate_report import CheckResult  # noqa: E402
@@ -119,12 +120,12 @@ def test_live_changes_take_the_first_step_after_each_change():
     records += [iteration(7, 6.9, ms=1300.0), iteration(8, 6.8, ms=400.0)]
     records += [iteration(9, 6.8, ms=500.0), iteration(10, 6.7, ms=600.0)]
     records += [change(10, "tp2xpp1xdp1", "tp1xpp2xdp1", 0.25), iteration(11, 6.6, ms=900.0)]
-    first, second = report.live_changes(records)
+    first, second = live.live_changes(records)
     assert first == {"change": DP2_TP2, "iteration": 6, "total_s": 0.5, "rebuild_s": 0.2,
                      "first_iteration_s": 1.3, "step_s": 0.5, "first_step_extra_s": 0.3}  # fmt: skip
     assert second["first_iteration_s"] == 0.9 and second["step_s"] is None
     assert second["first_step_extra_s"] is None  # no step after it: the verdict says so
-    (problem,) = report.live_change_problems([second], None, H100)
+    (problem,) = live.live_change_problems([second], None, H100)
     assert "no first_step_extra_s" in problem
 
 
@@ -137,25 +138,25 @@ def previous_entry(total, step):
 
 def test_regression_rule_fails_a_change_more_than_25_percent_slower():
     now = [{"change": DP2_TP2, "total_s": 0.62, "first_step_extra_s": 1.0}]  # +24%: passes
-    assert report.live_change_problems(now, previous_entry(0.5, 1.0), "A100") == []
+    assert live.live_change_problems(now, previous_entry(0.5, 1.0), "A100") == []
     now[0]["total_s"] = 0.64  # +28%
-    (problem,) = report.live_change_problems(now, previous_entry(0.5, 1.0), "A100")
+    (problem,) = live.live_change_problems(now, previous_entry(0.5, 1.0), "A100")
     assert "total_s" in problem and "1.25 x previous" in problem
     now[0].update(total_s=0.5, first_step_extra_s=1.3)  # the first step, +30%
-    (problem,) = report.live_change_problems(now, previous_entry(0.5, 1.0), "A100")
+    (problem,) = live.live_change_problems(now, previous_entry(0.5, 1.0), "A100")
     assert "first_step_extra_s" in problem
-    assert report.live_change_problems(now, None, "A100") == []  # nothing before: no rule
+    assert live.live_change_problems(now, None, "A100") == []  # nothing before: no rule
 
 
 def test_hard_bound_holds_on_h100_and_h200_only():
     now = [{"change": DP2_TP2, "total_s": 0.81, "first_step_extra_s": 0.9}]
-    (problem,) = report.live_change_problems(now, None, H100)
+    (problem,) = live.live_change_problems(now, None, H100)
     assert "bound 0.8" in problem
-    assert report.live_change_problems(now, None, "NVIDIA A100-SXM4-80GB") == []
+    assert live.live_change_problems(now, None, "NVIDIA A100-SXM4-80GB") == []
     now[0].update(total_s=0.5, first_step_extra_s=1.1)
-    assert "bound 1.0" in report.live_change_problems(now, None, "NVIDIA H200")[0]
+    assert "bound 1.0" in live.live_change_problems(now, None, "NVIDIA H200")[0]
     other = [{"change": "tp2xpp1xdp1->tp1xpp2xdp1", "total_s": 3.0, "first_step_extra_s": 3.0}]
-    assert report.live_change_problems(other, None, H100) == []  # no bound for that one
+    assert live.live_change_problems(other, None, H100) == []  # no bound for that one
 
 
 def test_previous_check_is_the_median_of_the_last_lines_of_the_same_device():
@@ -169,26 +170,26 @@ def test_previous_check_is_the_median_of_the_last_lines_of_the_same_device():
         line(H100, [previous_entry(0.5, 1.1)]),
         line("NVIDIA H200", [{"name": "fp8"}]),
     ]
-    h100 = report.previous_check(lines, H100, "live_change")
+    h100 = live.previous_check(lines, H100, "live_change")
     assert h100["lines"] == 3
     assert h100["changes"] == [{"change": DP2_TP2, "total_s": 0.4, "first_step_extra_s": 1.1}]
-    h200 = report.previous_check(lines, "NVIDIA H200", "live_change")
+    h200 = live.previous_check(lines, "NVIDIA H200", "live_change")
     assert h200["lines"] == 1 and h200["changes"][0]["total_s"] == 0.3
-    assert report.previous_check(lines, "cpu", "live_change") is None
+    assert live.previous_check(lines, "cpu", "live_change") is None
     # a figure only the newest line holds has no median: the rule waits for three lines of it
     older = [line(H100, [{"name": "live_change", "changes": [{"change": DP2_TP2, "total_s": t}]}])
              for t in (0.4, 0.5)]  # fmt: skip
-    bar = report.previous_check(
+    bar = live.previous_check(
         older + [line(H100, [previous_entry(0.45, 0.38)])], H100, "live_change"
     )
     assert bar["changes"] == [{"change": DP2_TP2, "total_s": 0.45}]
     now = [{"change": DP2_TP2, "total_s": 0.45, "first_step_extra_s": 0.48}]
-    assert report.live_change_problems(now, bar, "A100") == []
+    assert live.live_change_problems(now, bar, "A100") == []
     # one fast run among slower ones does not set the bar (the 0.16 s tp 2 -> pp 2 of c041803)
     runs = [line(H100, [previous_entry(t, 1.0)]) for t in (0.218, 0.207, 0.164)]
-    bar = report.previous_check(runs, H100, "live_change")
+    bar = live.previous_check(runs, H100, "live_change")
     now = [{"change": DP2_TP2, "total_s": 0.234, "first_step_extra_s": 1.04}]
-    assert report.live_change_problems(now, bar, "A100") == []
+    assert live.live_change_problems(now, bar, "A100") == []
 
 
 def test_live_change_verdict_needs_both_changes_and_the_whole_job():
@@ -200,16 +201,16 @@ def test_live_change_verdict_needs_both_changes_and_the_whole_job():
     ]
     codes = {"ctl_tp2": 0, "ctl_pp2": 0, "job": 0}
     expected = ["tp2xpp1xdp1", "tp1xpp2xdp1"]
-    ok = report.live_change_verdict(codes, records, expected, 24, None, H100)
+    ok = live.live_change_verdict(codes, records, expected, 24, None, H100)
     assert ok.passed and [c["first_step_extra_s"] for c in ok.extra["changes"]] == [0.35, 0.35]
     assert "tp2xpp1xdp1 0.5 s" in ok.figure
-    short = report.live_change_verdict(codes, records, expected, 30, None, H100)
+    short = live.live_change_verdict(codes, records, expected, 30, None, H100)
     assert not short.passed and "iteration 24 of 30" in short.reason
-    refused = report.live_change_verdict({**codes, "ctl_pp2": 2}, records, expected, 24, None, H100)
+    refused = live.live_change_verdict({**codes, "ctl_pp2": 2}, records, expected, 24, None, H100)
     assert not refused.passed and "ctl_pp2" in refused.reason
-    one = report.live_change_verdict(codes, records[:-1], expected, 24, None, H100)
+    one = live.live_change_verdict(codes, records[:-1], expected, 24, None, H100)
     assert not one.passed and "expected" in one.reason
-    slow = report.live_change_verdict(codes, records, expected, 24, previous_entry(0.3, 0.35), H100)
+    slow = live.live_change_verdict(codes, records, expected, 24, previous_entry(0.3, 0.35), H100)
     assert not slow.passed and "previous" in slow.reason
 
 

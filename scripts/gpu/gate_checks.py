@@ -1,5 +1,6 @@
 """The GPU gate's checks (scripts/gpu/smoke.py runs them): each starts its runs through a
-`Check` (gate_runner.py) and returns a CheckResult from gate_report.py's verdicts.
+`Check` (gate_runner.py) and returns a CheckResult from gate_report.py's verdicts (gate_live_change.py's for
+live_change).
 
 A check about a path uses a small model (its cost is a process start and a few seconds); the
 timed ones (live_change, kill9_recovery) use the 1.42B reference model of
@@ -14,6 +15,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+import gate_live_change as live
 import gate_report as report
 from gate_report import FP8_REL_TOL, CheckResult, fail
 from gate_runner import (
@@ -115,9 +117,9 @@ def check_live_change(c: Check) -> CheckResult:
     c.wait(job)
     codes = {p.name: p.code() for p in [*ctls, job]}
     name = c.gate.device["name"]
-    previous = report.previous_check(c.gate.previous_lines, name, c.name)
+    previous = live.previous_check(c.gate.previous_lines, name, c.name)
     expected = ["tp2xpp1xdp1", "tp1xpp2xdp1"]
-    return report.live_change_verdict(codes, records(job), expected, iters, previous, name)
+    return live.live_change_verdict(codes, records(job), expected, iters, previous, name)
 
 
 RECOVERY_ITERS, KILL_AFTER = 16, 8
