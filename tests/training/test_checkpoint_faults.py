@@ -334,3 +334,40 @@ def test_sharded_gradients_and_loss_chunks_under_torchrun(tmp_path):
     assert code != 0 and len(said) == 1, out
     assert f"{os.path.join(newest, shard)} is short by" in said.pop(), out
     assert not re.search(r"File \"\S*(megadyn|pretrain_gpt)", out), out  # no frame of ours
+
+
+def test_the_clip_in_the_update_and_the_embedding_rows_through_the_cli(tmp_path):
+    """`python pretrain_gpt.py --bf16 --untie-embeddings-and-output-weights
+    --use-precision-aware-optimizer` with a clip that acts (--clip-grad 0.05, gradient norms
+    near 4) as a user runs it:
+    - the update that takes the clip as it reads the gradients trains the losses of fp32 main
+      weights clipped by a pass of their own, to 1e-5 (without the clip they move 1e-3 apart);
+    - the embedding's gradient added into main_grad row by row trains the losses of
+      --no-gradient-accumulation-fusion's dense bf16 table gradient, to 1e-4;
+    - an operator resumes the run from iteration 3 to the same losses, and a truncated newest
+      checkpoint is refused in one line naming the file, with no frame of ours."""
+    base = [*COMMON, "--bf16", "--untie-embeddings-and-output-weights", "--clip-grad", "0.05"]
+
+    def run(*flags: str) -> tuple[int, str]:
+        return cli("pretrain_gpt.py", *base, *flags)
+
+    def losses(*flags: str) -> list[float]:
+        code, out = run(*flags)
+        assert code == 0, out
+        return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
+
+    save = str(tmp_path / "ckpt")
+    aware = ["--use-precision-aware-optimizer"]
+    fused = losses(*aware, "--save", save, "--save-interval", "3")
+    assert len(fused) == 6
+    assert losses() == pytest.approx(fused, rel=1e-5)  # fp32 main weights, the clip a pass
+    assert losses(*aware, "--no-gradient-accumulation-fusion") == pytest.approx(fused, rel=1e-4)
+    assert losses(*aware, "--load", save, "--ckpt-step", "3") == pytest.approx(fused[3:], rel=1e-6)
+    newest = os.path.join(save, "iter_0000006")
+    shard = sorted(p for p in os.listdir(newest) if p.endswith(".distcp"))[0]
+    truncate(os.path.join(newest, shard))
+    code, out = run(*aware, "--load", save)
+    said = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert code != 0 and len(said) == 1, out
+    assert f"{os.path.join(newest, shard)} is short by" in said[0], out
+    assert not re.search(r"File \"\S*(megadyn|pretrain_gpt)", out), out  # no frame of ours
